@@ -1,0 +1,1 @@
+"""Tuning spaces, and (to come) timing, the correctness gate, the result store and sweeps."""

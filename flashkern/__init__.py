@@ -1,0 +1,33 @@
+"""flashkern: kernels for DeepSeek-V4.1-Flash-class inference.
+
+Every operator has a PyTorch reference (flashkern.reference), a Triton and a TileLang
+implementation (flashkern.kernels.<family>), a tuning space and property tests.
+Public entry points live in `flashkern.ops`; the registry in `flashkern.registry`.
+
+Importing flashkern decides how Triton kernels run, before any kernel is defined:
+natively on CUDA, or under Triton's interpreter where no GPU is present. An explicit
+TRITON_INTERPRET in the environment always wins.
+"""
+
+import os
+
+__version__ = "0.1.0"
+
+
+def _choose_triton_mode() -> None:
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, so this must run first.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, stated to silence its warning
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_choose_triton_mode()
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run under the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,68 @@
+"""Argument checks for operator entry points: each error names the argument and what was expected.
+
+They run before any kernel is launched (or compiled).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shape: Sequence[int | None],
+           device: torch.device | None = None) -> torch.Tensor:
+    """A tensor of the given dtype(s) and shape (None = any size), on `device`, with unit stride on its last dim."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    if value.dtype not in dtypes:
+        wanted = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {wanted}, got {str(value.dtype).replace('torch.', '')}")
+    if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {wanted}, got {list(value.shape)}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}, but the other inputs are on {device}")
+    if value.dim() and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension (stride {value.stride(-1)}); "
+                         f"pass {name}.contiguous()")
+    if value.dim() > 1 and value.shape[0] > 1 and value.stride(0) < value.shape[-1]:
+        raise ValueError(f"{name} has overlapping rows (row stride {value.stride(0)}); pass {name}.contiguous()")
+    return value
+
+
+def optional_tensor(name: str, value, **expected) -> torch.Tensor | None:
+    return None if value is None else tensor(name, value, **expected)
+
+
+def integer(name: str, value, *, low: int | None = None, high: int | None = None, why: str = "") -> int:
+    """An int in [low, high]; `why` explains the bound in the error."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}={value} must be {bounds}{' (' + why + ')' if why else ''}")
+    return value
+
+
+def real(name: str, value, *, positive: bool = False) -> float:
+    """A finite Python number (positive when asked)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return float(value)
+
+
+def choice(name: str, value, options: Sequence) -> object:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

@@ -1,0 +1,96 @@
+"""The operator registry.
+
+One record per operator ties together everything the CLI, the tests, the tuner and the
+dispatcher need, so none of them names an operator in code:
+
+  Operator: name, public entry point, reference, implementations, argument check (inputs ->
+            problem), input maker, comparison, cost model, shape presets.
+  Implementation: a Triton or TileLang kernel with its tuning space and default config.
+
+A *problem* is a frozen dataclass describing one call's shapes and static options
+(tokens, experts, ...). It has `key` (a readable shape key) and `specialization()` (what a
+compiled kernel depends on: everything but the sizes that are dynamic in the kernels).
+
+Adding an operator family: a reference module, a kernels/<family>/ folder whose __init__
+defines OPERATORS, a test module, and one line in FAMILIES below.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from flashkern.autotune.space import Config, Space
+
+FAMILIES = (
+    "moe_route",
+)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work per call: arithmetic operations and the bytes the operator must move (inputs + outputs once)."""
+
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str  # "triton" or "tilelang"
+    kernel: Any  # TritonKernel or TileLangKernel: run / build_sm90 / unavailable / cpu_mode
+    space: Space
+    default_config: Callable[[Any], Config]
+
+    def unavailable(self, device) -> str | None:
+        return self.kernel.unavailable(device)
+
+    def run(self, problem, inputs: dict, config: Config):
+        return self.kernel.run(problem, inputs, config)
+
+    def build_sm90(self, problem, inputs: dict, config: Config):
+        return self.kernel.build_sm90(problem, inputs, config)
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    summary: str
+    entry: Callable  # the public function, flashkern.ops.<name>
+    reference: Callable  # called with the inputs dict as keyword arguments
+    implementations: tuple[Implementation, ...]
+    check: Callable[[dict], Any]  # inputs -> problem; raises naming the bad argument
+    make_inputs: Callable[[Any, Any, int], dict]  # (problem, device, seed) -> inputs
+    compare: Callable[[dict, Any, Any], None]  # (inputs, expected, actual); raises AssertionError
+    cost: Callable[[Any], Cost]
+    presets: dict[str, tuple]  # name -> problems
+
+    def implementation(self, name: str) -> Implementation:
+        for impl in self.implementations:
+            if impl.name == name:
+                return impl
+        raise KeyError(name)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return ("reference", *(impl.name for impl in self.implementations))
+
+
+@functools.lru_cache(maxsize=None)
+def operators() -> dict[str, Operator]:
+    """Every registered operator by name (imports the kernel families on first use)."""
+    found: dict[str, Operator] = {}
+    for family in FAMILIES:
+        module = importlib.import_module(f"flashkern.kernels.{family}")
+        for op in module.OPERATORS:
+            found[op.name] = op
+    return found
+
+
+def get(name: str) -> Operator:
+    ops = operators()
+    if name not in ops:
+        raise KeyError(f"unknown operator {name!r}; known: {', '.join(sorted(ops))}")
+    return ops[name]

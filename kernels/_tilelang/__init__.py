@@ -1,0 +1,189 @@
+"""Shared TileLang machinery: the CPU/GPU flavour switch, compilation, and the sm_90a build.
+
+One kernel source serves two targets. A kernel factory takes a `Flavour` and asks it for
+memory scopes, the loop form and the storage type of narrow floats; the tiling, index math,
+masks and reductions are the same code for both:
+
+    GPU (CUDA):  shared memory, register fragments, T.Parallel, native bf16 / fp8 tensors
+    CPU (C):     local buffers, serial T.grid loops, bf16 / fp8 passed as integer views and
+                 decoded by the bit codecs in `codecs`
+
+The CPU build is real C compiled with -O2 and is what the equivalence tests run; the GPU
+flavour is lowered for sm_90a and compiled with nvcc by `build_sm90` so that GPU build
+breaks are caught on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from flashkern.kernels._tilelang import codecs
+from flashkern.kernels.build import BuildReport, parse_ptxas
+
+logging.getLogger("TileLang").setLevel(logging.WARNING)
+
+CPU_PASS_CONFIGS = {"tirx.disable_vectorize": True}  # math inside auto-vectorized loops fails on the C target
+CPU_COMPILE_FLAGS = ["-O2"]  # the C compiler otherwise runs at -O0 (about 13x slower)
+SM90_ARCH = "sm_90a"  # "sm_90" compiles but emits no wgmma
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Memory scopes, loop form and narrow-float storage for one target."""
+
+    on_gpu: bool
+
+    @property
+    def shared(self):
+        return T.alloc_shared if self.on_gpu else T.alloc_local
+
+    @property
+    def fragment(self):
+        return T.alloc_fragment if self.on_gpu else T.alloc_local
+
+    @property
+    def parallel(self):
+        return T.Parallel if self.on_gpu else T.grid
+
+    @property
+    def bf16(self) -> str:
+        """Storage dtype of bf16 tensors as the kernel declares them."""
+        return "bfloat16" if self.on_gpu else "uint16"
+
+    def bf16_arg(self, tensor):
+        """A bf16 tensor as the kernel takes it: itself on GPU, its uint16 bit view on CPU."""
+        return tensor if self.on_gpu else tensor.view(torch.uint16)
+
+    def load_bf16(self, value):
+        """fp32 value of one stored bf16 element."""
+        return T.Cast("float32", value) if self.on_gpu else codecs.bf16_to_f32(value)
+
+    def round_bf16(self, x):
+        """x rounded to the nearest bf16 (ties to even), as fp32."""
+        if self.on_gpu:
+            return T.Cast("float32", T.Cast("bfloat16", x))
+        return codecs.bf16_to_f32(codecs.f32_to_bf16(x))
+
+
+CPU = Flavour(on_gpu=False)
+GPU = Flavour(on_gpu=True)
+
+
+def compile_cpu(prim_func):
+    """Compile a CPU-flavour kernel to C with optimization (TileLang caches it on disk too)."""
+    return tilelang.compile(
+        prim_func, target="c", pass_configs=CPU_PASS_CONFIGS, compile_flags=CPU_COMPILE_FLAGS
+    )
+
+
+def compile_cuda(prim_func):
+    """JIT-compile a GPU-flavour kernel for the current CUDA device."""
+    return tilelang.compile(prim_func, target="cuda")
+
+
+def _sm90_target():
+    from tvm.target import Target
+
+    return Target({"kind": "cuda", "arch": SM90_ARCH})
+
+
+def lower_sm90(prim_func):
+    """Lower a GPU-flavour kernel for sm_90a: returns (CUDA source, dynamic shared memory bytes, threads)."""
+    target = _sm90_target()
+    with target:
+        artifact = tilelang.lower(prim_func, target=target)
+    smem, threads = 0, 0
+    for _, fn in artifact.device_mod.functions.items():
+        attrs = fn.attrs or {}
+        if "dyn_shared_memory_buf" in attrs:
+            smem = max(smem, int(attrs["dyn_shared_memory_buf"]))
+        if "thread_extent" in attrs:
+            threads = max(threads, int(attrs["thread_extent"].get("threadIdx.x", 0)))
+    return artifact.kernel_source, smem, threads
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_path() -> str | None:
+    """The CUDA compiler, or None where it is absent (sm_90a builds are then skipped)."""
+    return shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc") if os.path.exists(p)), None
+    )
+
+
+def _include_dirs() -> list[str]:
+    root = os.path.dirname(tilelang.__file__)
+    return [os.path.join(root, "src"), os.path.join(root, "3rdparty", "cutlass", "include")]
+
+
+def build_sm90(prim_func) -> BuildReport:
+    """Lower for sm_90a and compile to a cubin with nvcc; report registers, spills and shared memory."""
+    source, dyn_smem, threads = lower_sm90(prim_func)
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found: the TileLang sm_90a build needs the CUDA compiler")
+    with tempfile.TemporaryDirectory(prefix="flashkern-sm90-") as tmp:
+        src = os.path.join(tmp, "kernel.cu")
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [nvcc, "-std=c++17", "-gencode", f"arch=compute_90a,code={SM90_ARCH}", "-cubin",
+               "--resource-usage", "-w", "-o", os.path.join(tmp, "kernel.cubin"), src]
+        for inc in _include_dirs():
+            cmd += ["-I", inc]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError("nvcc failed:\n" + (proc.stderr or proc.stdout)[-4000:])
+    report = parse_ptxas(proc.stdout + proc.stderr)
+    return report.with_(smem=report.smem + dyn_smem, threads=threads, wgmma="wgmma" in source)
+
+
+@dataclass(frozen=True, eq=False)
+class TileLangKernel:
+    """A TileLang implementation from one source for both targets.
+
+    program(problem, config, flavour) -> prim_func, with dynamic sizes for what varies per call;
+    arguments(problem, inputs, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
+    Compiled kernels are cached per (problem.specialization(), config, target).
+    """
+
+    program: Callable
+    arguments: Callable
+    min_capability: tuple[int, int] = (8, 0)
+    cpu_mode = "TileLang C target (compiled with -O2)"
+    _compiled: dict = field(default_factory=dict, repr=False)
+
+    def compiled(self, problem, config, fl: Flavour):
+        key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu)
+        if key not in self._compiled:
+            func = self.program(problem, config, fl)
+            self._compiled[key] = compile_cuda(func) if fl.on_gpu else compile_cpu(func)
+        return self._compiled[key]
+
+    def run(self, problem, inputs, config):
+        device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+        fl = GPU if device.type == "cuda" else CPU
+        args, outputs = self.arguments(problem, inputs, fl)
+        if args is not None:
+            self.compiled(problem, config, fl)(*args)
+        return outputs
+
+    def build_sm90(self, problem, inputs, config) -> BuildReport:
+        return build_sm90(self.program(problem, config, GPU))
+
+    def unavailable(self, device) -> str | None:
+        """Why this cannot run on `device` (a DeviceInfo), or None."""
+        if device.kind == "cpu":
+            return None if shutil.which("cc") or shutil.which("gcc") else "no C compiler for TileLang's C target"
+        if device.capability < self.min_capability:
+            return f"needs compute capability {self.min_capability[0]}.{self.min_capability[1]}+"
+        return None

@@ -1,0 +1,149 @@
+"""Shared Triton machinery: launch records, the ahead-of-time sm_90a build, numeric helpers.
+
+Without a GPU, flashkern runs Triton kernels under the interpreter (TRITON_INTERPRET=1 is set
+by `import flashkern` before any kernel is defined). Interpreted kernels cannot be compiled, so
+the sm_90a build runs in a worker process started with TRITON_INTERPRET=0 (see
+flashkern.compile_check); inside it, `build_sm90` compiles a `Launch` for
+GPUTarget("cuda", 90, 32) and reads its resources with Triton's own ptxas.
+
+Interpreter pitfalls handled here:
+- fp32 -> bf16 casts truncate under the interpreter (the GPU rounds to nearest even):
+  use `round_to_bf16`, exact on both.
+- bf16 `tl.dot` multiplies raw bit patterns under the interpreter: kernels upcast bf16
+  operands to fp32 before `tl.dot` (exact: bf16 values are exact in fp32 and in tf32).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+import flashkern
+from flashkern.kernels.build import BuildReport, parse_ptxas
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.int16: "*i16",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.bool: "*i1",
+}
+
+
+@dataclass
+class Launch:
+    """One kernel launch: the kernel, its grid, its arguments by parameter name, and launch options."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.options)
+
+
+def _signature(launch: Launch):
+    """Triton signature, constexprs and alignment attributes derived from the launch's arguments."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(launch.kernel.params):
+        value = launch.args[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _POINTER_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"argument {param.name!r}: cannot type {type(value).__name__} for an AOT build")
+    return signature, constexprs, attrs
+
+
+def build_sm90(launch: Launch) -> BuildReport:
+    """Compile `launch` ahead of time for compute capability 9.0 and report its resources."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not hasattr(launch.kernel, "cache_key"):
+        raise RuntimeError("AOT builds need TRITON_INTERPRET=0 in the building process")
+    signature, constexprs, attrs = _signature(launch)
+    compiled = triton.compile(
+        ASTSource(launch.kernel, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": launch.num_warps, "num_stages": launch.num_stages, **launch.options},
+    )
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory(prefix="flashkern-triton-") as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError("ptxas failed:\n" + proc.stderr[-4000:])
+    report = parse_ptxas(proc.stdout + proc.stderr)
+    return report.with_(
+        smem=max(report.smem, compiled.metadata.shared), threads=32 * launch.num_warps, wgmma="wgmma" in ptx
+    )
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    """A Triton implementation: `plan(problem, inputs, config) -> (Launch, outputs)` does the rest."""
+
+    plan: Any
+    min_capability: tuple[int, int] = (8, 0)
+    cpu_mode = "Triton interpreter (correct, not a speed contender)"
+
+    def run(self, problem, inputs, config):
+        launch, outputs = self.plan(problem, inputs, config)
+        if all(n > 0 for n in launch.grid):
+            launch()
+        return outputs
+
+    def build_sm90(self, problem, inputs, config) -> BuildReport:
+        launch, _ = self.plan(problem, inputs, config)
+        return build_sm90(launch)
+
+    def unavailable(self, device) -> str | None:
+        """Why this cannot run on `device` (a DeviceInfo), or None."""
+        interpreted = flashkern.triton_interpreted()
+        if device.kind == "cpu":
+            return None if interpreted else "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
+        if interpreted:
+            return "Triton is in interpreter mode (TRITON_INTERPRET=1), which runs CPU tensors only"
+        if device.capability < self.min_capability:
+            return f"needs compute capability {self.min_capability[0]}.{self.min_capability[1]}+"
+        return None
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), returned as fp32; NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)

@@ -1,0 +1,305 @@
+"""Fused MoE routing (SPECS.md section 1): operator records, entry points, inputs, oracle, cost, presets.
+
+Two operators share one routing core:
+  moe_route       router logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int32)
+  moe_route_gate  hidden [T, D] bf16 and gate weight [E, D] bf16 (optional RMSNorm) -> the same,
+                  with the fp32 logits computed in the same launch
+The math and the choices the spec leaves open are in flashkern.reference.moe_route.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkern import checks
+from flashkern.dispatch import call
+from flashkern.kernels._tilelang import TileLangKernel
+from flashkern.kernels._triton import TritonKernel
+from flashkern.kernels.moe_route import tilelang_kernels as tl_kernels
+from flashkern.kernels.moe_route import triton_kernels as tr_kernels
+from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing
+from flashkern.reference import moe_route as ref
+from flashkern.registry import Cost, Implementation, Operator
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_routing(inputs: dict, experts: int) -> Routing:
+    checks.choice("score", inputs["score"], ref.SCORES)
+    n_group = checks.integer("n_group", inputs["n_group"], low=1, high=experts, why=f"{experts} experts")
+    if experts % n_group:
+        raise ValueError(f"n_group={n_group} does not divide the {experts} experts")
+    if n_group > 1 and experts // n_group < 2:
+        raise ValueError(f"n_group={n_group} leaves one expert per group; a group's score needs two")
+    topk_group = checks.integer("topk_group", inputs["topk_group"], low=1, high=n_group, why=f"n_group={n_group}")
+    eligible = topk_group * (experts // n_group)
+    why = f"{experts} experts" if n_group == 1 else f"{eligible} experts in {topk_group} of {n_group} groups"
+    top_k = checks.integer("top_k", inputs["top_k"], low=1, high=eligible, why=why)
+    return Routing(experts=experts, top_k=top_k, score=inputs["score"], n_group=n_group, topk_group=topk_group,
+                   renormalize=checks.flag("renormalize", inputs["renormalize"]),
+                   scaling_factor=checks.real("scaling_factor", inputs["scaling_factor"]))
+
+
+def _check_common(inputs: dict, tokens: int, experts: int, device) -> dict:
+    bias = checks.optional_tensor("bias", inputs["bias"], dtype=torch.float32, shape=(experts,), device=device)
+    valid = checks.optional_tensor("valid", inputs["valid"], dtype=torch.bool, shape=(tokens,), device=device)
+    return dict(routing=_check_routing(inputs, experts), has_bias=bias is not None, has_valid=valid is not None)
+
+
+def check_route(inputs: dict) -> RouteProblem:
+    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    tokens, experts = logits.shape
+    if experts == 0:
+        raise ValueError("logits must have at least one expert column, got shape " + str(list(logits.shape)))
+    return RouteProblem(tokens=tokens, **_check_common(inputs, tokens, experts, logits.device))
+
+
+def check_route_gate(inputs: dict) -> RouteProblem:
+    hidden = checks.tensor("hidden", inputs["hidden"], dtype=torch.bfloat16, shape=(None, None))
+    tokens, dim = hidden.shape
+    if dim == 0:
+        raise ValueError("hidden must have a nonzero hidden size, got shape " + str(list(hidden.shape)))
+    gate = checks.tensor("gate_weight", inputs["gate_weight"], dtype=torch.bfloat16, shape=(None, dim),
+                         device=hidden.device)
+    if gate.shape[0] == 0:
+        raise ValueError("gate_weight must have at least one expert row")
+    norm = checks.optional_tensor("norm_weight", inputs["norm_weight"], dtype=torch.bfloat16, shape=(dim,),
+                                  device=hidden.device)
+    eps = checks.real("norm_eps", inputs["norm_eps"], positive=True)
+    return RouteProblem(tokens=tokens, hidden=dim, has_norm=norm is not None, norm_eps=eps,
+                        **_check_common(inputs, tokens, gate.shape[0], hidden.device))
+
+
+# ---------------------------------------------------------------- realistic inputs
+
+
+def _common_inputs(problem: RouteProblem, gen: torch.Generator) -> dict:
+    r = problem.routing
+    inputs = dict(bias=0.1 * torch.randn(r.experts, generator=gen) if problem.has_bias else None,
+                  valid=None, **r.kwargs())
+    if problem.has_valid:  # the last eighth of the rows are padding
+        valid = torch.ones(problem.tokens, dtype=torch.bool)
+        valid[problem.tokens - problem.tokens // 8:] = False
+        inputs["valid"] = valid
+    return inputs
+
+
+def _to(inputs: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def make_route_inputs(problem: RouteProblem, device="cpu", seed: int = 0) -> dict:
+    """Router logits ~ N(0, 2^2); correction bias ~ N(0, 0.1^2); padding rows hold NaN logits."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = _common_inputs(problem, gen)
+    logits = 2.0 * torch.randn(problem.tokens, problem.routing.experts, generator=gen)
+    if inputs["valid"] is not None:
+        logits[~inputs["valid"]] = float("nan")
+    return _to(dict(logits=logits, **inputs), device)
+
+
+def make_route_gate_inputs(problem: RouteProblem, device="cpu", seed: int = 0) -> dict:
+    """Hidden states ~ N(0, 1) and a gate weight ~ N(0, 1/D), both bf16; norm weight ~ 1 + N(0, 0.1^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = _common_inputs(problem, gen)
+    d, e = problem.hidden, problem.routing.experts
+    inputs.update(
+        hidden=torch.randn(problem.tokens, d, generator=gen).to(torch.bfloat16),
+        gate_weight=(torch.randn(e, d, generator=gen) / d**0.5).to(torch.bfloat16),
+        norm_weight=(1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16) if problem.has_norm else None,
+        norm_eps=problem.norm_eps,
+    )
+    return _to(inputs, device)
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tensor, ids: torch.Tensor,
+                         key_tol: float, atol: float, rtol: float) -> None:
+    """Property oracle for one routing result (SPECS.md section 1).
+
+    Invalid rows: ids -1 and weights 0, exactly. Valid rows: ids distinct and in range; every
+    chosen expert lies in a group that may be among the topk_group best (group scores within
+    key_tol of the cut count as tied); the chosen keys are >= every other key in the groups the
+    selection must have kept (ties within key_tol pass); weights equal the reference formula
+    applied to the chosen ids (atol/rtol).
+    """
+    tokens, experts = logits.shape
+    k, n_group, topk_group = inputs["top_k"], inputs["n_group"], inputs["topk_group"]
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32, (weights.dtype, ids.dtype)
+    assert weights.shape == (tokens, k) and ids.shape == (tokens, k), (weights.shape, ids.shape)
+    weights, ids, logits = weights.cpu(), ids.cpu(), logits.cpu()
+    valid = torch.ones(tokens, dtype=torch.bool) if inputs["valid"] is None else inputs["valid"].cpu()
+    bad_padding = (ids[~valid] != -1).any(dim=1) | (weights[~valid] != 0).any(dim=1)
+    assert not bad_padding.any(), f"invalid rows {torch.nonzero(~valid)[bad_padding].flatten().tolist()[:8]} not (-1, 0)"
+    ids, logits = ids[valid].long(), logits[valid]
+    rows = ids.shape[0]
+    if rows == 0:
+        return
+    out_of_range = ((ids < 0) | (ids >= experts)).any(dim=1)
+    assert not out_of_range.any(), f"ids out of range in rows {torch.nonzero(out_of_range).flatten().tolist()[:8]}"
+    chosen = torch.zeros(rows, experts, dtype=torch.bool).scatter_(1, ids, True)
+    repeated = chosen.sum(dim=1) != k
+    assert not repeated.any(), f"repeated ids in rows {torch.nonzero(repeated).flatten().tolist()[:8]}: {ids[repeated][:4]}"
+
+    s = ref.scores(logits, inputs["score"])
+    bias = None if inputs["bias"] is None else inputs["bias"].cpu()
+    b = ref.selection_keys(s, bias).double()
+    near = lambda lo, hi: (lo >= hi) | (lo >= hi - key_tol * (1 + hi.abs()))  # noqa: E731  lo >= hi up to key_tol
+    must_keep = torch.ones(rows, experts, dtype=torch.bool)
+    if n_group > 1:
+        gscore = ref.group_scores(b, n_group)
+        cut = gscore.topk(topk_group, dim=1).values[:, -1:]
+        surely = ~near(cut, gscore)  # strictly above the cut: every correct selection keeps these groups
+        possible = near(gscore, cut)
+        used = chosen.view(rows, n_group, -1).any(dim=2)
+        outside = (used & ~possible).any(dim=1)
+        assert not outside.any(), f"rows {torch.nonzero(outside).flatten().tolist()[:8]} chose experts outside the top groups"
+        kept = surely | used
+        too_many = kept.sum(dim=1) > topk_group
+        assert not too_many.any(), f"rows {torch.nonzero(too_many).flatten().tolist()[:8]} use more than topk_group groups"
+        must_keep = kept.repeat_interleave(experts // n_group, dim=1)
+    lowest_chosen = torch.where(chosen, b, torch.inf).amin(dim=1)
+    best_other = torch.where(must_keep & ~chosen, b, -torch.inf).amax(dim=1)
+    beaten = ~near(lowest_chosen, best_other)
+    assert not beaten.any(), (
+        f"rows {torch.nonzero(beaten).flatten().tolist()[:8]}: a chosen key is below an unchosen one "
+        f"(chosen min {lowest_chosen[beaten][:4].tolist()}, other max {best_other[beaten][:4].tolist()})")
+
+    expected = s.gather(1, ids)
+    if inputs["renormalize"]:
+        expected = expected / expected.sum(dim=1, keepdim=True).clamp(min=1e-20)
+    expected = expected * inputs["scaling_factor"]
+    torch.testing.assert_close(weights[valid], expected, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def compare_route(inputs: dict, expected, actual) -> None:
+    check_routing_result(inputs["logits"], inputs, *actual, key_tol=1e-6, atol=2e-5, rtol=1e-5)
+
+
+def compare_route_gate(inputs: dict, expected, actual) -> None:
+    # logits from a D-long fp32 dot product: summation order moves them by ~1e-6 relative
+    logits = ref.gate_logits(inputs["hidden"].cpu(), inputs["gate_weight"].cpu(),
+                             None if inputs["norm_weight"] is None else inputs["norm_weight"].cpu(), inputs["norm_eps"])
+    check_routing_result(logits, inputs, *actual, key_tol=1e-4, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- cost
+
+
+def route_cost(problem: RouteProblem) -> Cost:
+    t, r = problem.tokens, problem.routing
+    # per expert: score (~4 ops), bias, and a compare + select in each of the k rounds
+    flops = t * r.experts * (6 + 2 * r.top_k)
+    moved = t * r.experts * 4 + t * r.top_k * 8 + (r.experts * 4 if problem.has_bias else 0) + (t if problem.has_valid else 0)
+    return Cost(flops=flops, bytes=moved)
+
+
+def route_gate_cost(problem: RouteProblem) -> Cost:
+    t, d, e = problem.tokens, problem.hidden, problem.routing.experts
+    base = route_cost(problem)
+    gemm_bytes = 2 * (t * d + e * d + (d if problem.has_norm else 0))
+    return Cost(flops=base.flops + 2 * t * d * e, bytes=base.bytes - t * e * 4 + gemm_bytes)
+
+
+# ---------------------------------------------------------------- presets
+
+
+def _presets(hidden_v41: int, hidden_v3: int, norm: bool, model_tokens, smoke_tokens) -> dict:
+    def grid(routing, hidden, tokens):
+        return tuple(RouteProblem(tokens=t, routing=routing, hidden=hidden, has_norm=norm and bool(hidden))
+                     for t in tokens)
+
+    return {
+        "smoke": grid(V41_FLASH, hidden_v41, smoke_tokens) + grid(V3, hidden_v3, smoke_tokens),
+        "v41-flash": grid(V41_FLASH, hidden_v41, model_tokens),
+        "v3": grid(V3, hidden_v3, model_tokens),
+    }
+
+
+ROUTE_PRESETS = _presets(0, 0, False, model_tokens=(1, 16, 128, 1024, 4096, 16384), smoke_tokens=(1, 37, 256))
+# V4.1-Flash hidden 5120 (the gate reads the RMS-normalized residual); V3 hidden 7168
+GATE_PRESETS = _presets(5120, 7168, True, model_tokens=(1, 16, 128, 1024, 4096), smoke_tokens=(1, 37))
+
+
+# ---------------------------------------------------------------- entry points and records
+
+
+def moe_route(logits, bias=None, *, top_k, score="sqrtsoftplus", n_group=1, topk_group=1, renormalize=True,
+              scaling_factor=1.0, valid=None, backend="auto", config=None):
+    """Fused MoE routing from router logits, in one kernel launch.
+
+    s = score(logits); b = s + bias; [groups: keep the topk_group groups with the largest
+    top-2 sums of b]; ids = top_k of b; w = s[ids] (unbiased), renormalized to sum 1 if asked,
+    times scaling_factor. Rows with valid == False give ids -1 and weights 0.
+
+    Args:
+        logits: [T, E] fp32 router logits.
+        bias: [E] fp32 correction bias (selection only), or None.
+        top_k, score ("sqrtsoftplus" | "sigmoid" | "softmax"), n_group, topk_group, renormalize,
+        scaling_factor: the routing rule (V4.1-Flash: 6, "sqrtsoftplus", 1, 1, True, 1.5).
+        valid: [T] bool row mask, or None.
+        backend: "reference" | "triton" | "tilelang" | "auto"; config: explicit tuning config.
+    Returns:
+        (weights [T, top_k] fp32, ids [T, top_k] int32); the order within a row is unspecified.
+    """
+    inputs = dict(logits=logits, bias=bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
+                  renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
+    return call(MOE_ROUTE, inputs, backend, config)
+
+
+def moe_route_gate(hidden, gate_weight, bias=None, *, norm_weight=None, norm_eps=1e-6, top_k, score="sqrtsoftplus",
+                   n_group=1, topk_group=1, renormalize=True, scaling_factor=1.0, valid=None, backend="auto",
+                   config=None):
+    """Fused gate and MoE routing: logits = RMSNorm(hidden) @ gate_weight^T in fp32, then moe_route.
+
+    Args:
+        hidden: [T, D] bf16 hidden states; gate_weight: [E, D] bf16.
+        norm_weight: [D] bf16 RMSNorm weight, or None for no norm; norm_eps: its epsilon.
+            The normalized hidden state is rounded to bf16 before the product (as an unfused norm would).
+        The other arguments and the result are those of moe_route.
+    """
+    inputs = dict(hidden=hidden, gate_weight=gate_weight, bias=bias, norm_weight=norm_weight, norm_eps=norm_eps,
+                  top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+                  scaling_factor=scaling_factor, valid=valid)
+    return call(MOE_ROUTE_GATE, inputs, backend, config)
+
+
+MOE_ROUTE = Operator(
+    name="moe_route",
+    summary="MoE routing from fp32 logits: scores, bias, groups, top-k, weights",
+    entry=moe_route,
+    reference=ref.moe_route,
+    implementations=(
+        Implementation("triton", TritonKernel(tr_kernels.plan_route), tr_kernels.ROUTE_SPACE, tr_kernels.route_default),
+        Implementation("tilelang", TileLangKernel(tl_kernels.route_program, tl_kernels.route_args), tl_kernels.ROUTE_SPACE,
+                       tl_kernels.route_default),
+    ),
+    check=check_route,
+    make_inputs=make_route_inputs,
+    compare=compare_route,
+    cost=route_cost,
+    presets=ROUTE_PRESETS,
+)
+
+MOE_ROUTE_GATE = Operator(
+    name="moe_route_gate",
+    summary="gate GEMM (+RMSNorm) and MoE routing from bf16 hidden states, one launch",
+    entry=moe_route_gate,
+    reference=ref.moe_route_gate,
+    implementations=(
+        Implementation("triton", TritonKernel(tr_kernels.plan_route_gate), tr_kernels.GATE_SPACE,
+                       tr_kernels.gate_default),
+        Implementation("tilelang", TileLangKernel(tl_kernels.route_gate_program, tl_kernels.route_gate_args),
+                       tl_kernels.GATE_SPACE, tl_kernels.gate_default),
+    ),
+    check=check_route_gate,
+    make_inputs=make_route_gate_inputs,
+    compare=compare_route_gate,
+    cost=route_gate_cost,
+    presets=GATE_PRESETS,
+)
+
+OPERATORS = (MOE_ROUTE, MOE_ROUTE_GATE)

@@ -1,0 +1,59 @@
+"""Problem description of MoE routing: the routing rule, the per-call problem, output allocation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing rule of a model (static per model)."""
+
+    experts: int
+    top_k: int
+    score: str = "sqrtsoftplus"
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+
+    def kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "experts"}
+
+
+V41_FLASH = Routing(experts=384, top_k=6, score="sqrtsoftplus", scaling_factor=1.5)
+V3 = Routing(experts=256, top_k=8, score="sigmoid", n_group=8, topk_group=4, scaling_factor=2.5)
+
+
+@dataclass(frozen=True)
+class RouteProblem:
+    tokens: int
+    routing: Routing
+    has_bias: bool = True
+    has_valid: bool = False
+    hidden: int = 0  # fused-gate form: hidden size D; 0 for the logits form
+    has_norm: bool = False
+    norm_eps: float = 1e-6
+
+    @property
+    def key(self) -> str:
+        r = self.routing
+        parts = [f"T={self.tokens}", f"E={r.experts}", f"k={r.top_k}", r.score]
+        if r.n_group > 1:
+            parts.append(f"groups={r.topk_group}/{r.n_group}")
+        if self.hidden:
+            parts.append(f"D={self.hidden}" + (" rmsnorm" if self.has_norm else ""))
+        parts += [name for name, on in (("bias", self.has_bias), ("valid", self.has_valid)) if on]
+        return " ".join(parts)
+
+    def specialization(self) -> "RouteProblem":
+        return dataclasses.replace(self, tokens=0)  # kernels take the token count at run time
+
+
+def empty_outputs(problem: RouteProblem, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized (weights [T, k] fp32, ids [T, k] int32)."""
+    shape = (problem.tokens, problem.routing.top_k)
+    return torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.int32, device=device)

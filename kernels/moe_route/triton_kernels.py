@@ -1,0 +1,248 @@
+"""MoE routing in Triton: the whole routing in one launch, from logits or from hidden states.
+
+Tile plan: a program owns BLOCK_T token rows and the whole expert axis, laid out as slots
+[BLOCK_T, G_PAD, EG_PAD]; slot (g, j) holds expert g * EG + j, padding slots hold -inf keys.
+  1. s = score(logits), b = s + bias (NaN keys -> lowest finite)
+  2. groups: score = top-2 sum of b per group; keep the topk_group best, mask the rest to -inf
+  3. top_k rounds: row max, lowest expert id at the max, gather s there, knock the slot out
+  4. renormalize, scale; invalid rows -> (id -1, weight 0)
+The fused-gate kernel first forms the logits tile with tl.dot over D in BLOCK_D steps
+(RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import flashkern
+from flashkern.autotune.space import Space
+from flashkern.kernels._triton import Launch, round_to_bf16
+from flashkern.kernels.moe_route.problem import empty_outputs
+
+SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u), accurate for tiny u (Goldberg's correction; no log1p under the interpreter)."""
+    v = 1.0 + u
+    return tl.where(v == 1.0, u, tl.log(v) * u / (v - 1.0))
+
+
+@triton.jit
+def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                EG: tl.constexpr, G: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Route a [BLOCK_T, G_PAD, EG_PAD] logits tile and store its weights and ids."""
+    expert = slot_g * EG + slot_j
+    # 1. scores and selection keys
+    if SCORE == 0:  # sqrt(softplus(x)), softplus(x) = max(x, 0) + log1p(exp(-|x|))
+        s = tl.sqrt(tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
+    elif SCORE == 1:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        row_max = tl.max(tl.max(tl.where(slot_ok, x, float("-inf")), axis=2), axis=1)
+        e = tl.where(slot_ok, tl.exp(x - row_max[:, None, None]), 0.0)
+        s = e / tl.sum(tl.sum(e, axis=2), axis=1)[:, None, None]
+    b = s
+    if bias_ptr is not None:
+        b = s + tl.load(bias_ptr + expert, mask=slot_ok, other=0.0)
+    b = tl.where(b == b, tl.maximum(b, LOWEST), LOWEST)
+    b = tl.where(slot_ok, b, float("-inf"))
+    # 2. group limiting: keep the TOPK_GROUP groups with the largest top-2 sums
+    if G > 1:
+        top1 = tl.max(b, axis=2)
+        at1 = tl.argmax(b, axis=2, tie_break_left=True)
+        top2 = tl.max(tl.where(slot_j == at1[:, :, None], float("-inf"), b), axis=2)
+        group = tl.arange(0, x.shape[1])[None, :]
+        gscore = tl.where(group < G, tl.maximum(top1 + top2, LOWEST), float("-inf"))
+        keep = group < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=1, tie_break_left=True)
+            hit = group == best[:, None]
+            keep = keep | hit
+            gscore = tl.where(hit, float("-inf"), gscore)
+        b = tl.where(keep[:, :, None], b, float("-inf"))
+    # 3. top-k rounds over the flattened slots (slot order = expert order)
+    BLOCK_T: tl.constexpr = x.shape[0]
+    NP: tl.constexpr = x.shape[1] * x.shape[2]
+    b = tl.reshape(b, (BLOCK_T, NP))
+    s = tl.reshape(s, (BLOCK_T, NP))
+    expert = tl.reshape(expert, (1, NP))
+    slot = tl.arange(0, NP)[None, :]
+    col = tl.arange(0, K_PAD)[None, :]
+    weights = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    ids = tl.zeros((BLOCK_T, K_PAD), tl.int32)
+    for r in tl.static_range(K):
+        pick = tl.argmax(b, axis=1, tie_break_left=True)
+        hit = slot == pick[:, None]
+        chosen_s = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        chosen_e = tl.sum(tl.where(hit, expert, 0), axis=1)
+        weights = tl.where(col == r, chosen_s[:, None], weights)
+        ids = tl.where(col == r, chosen_e[:, None], ids)
+        b = tl.where(hit, float("-inf"), b)
+    # 4. renormalize, scale, mask invalid rows, store
+    if RENORMALIZE:
+        weights = weights / tl.maximum(tl.sum(weights, axis=1), 1e-20)[:, None]
+    weights = weights * scale
+    if valid_ptr is not None:
+        keep_row = tl.load(valid_ptr + row, mask=row_ok, other=0) != 0
+        weights = tl.where(keep_row[:, None], weights, 0.0)
+        ids = tl.where(keep_row[:, None], ids, -1)
+    out = row[:, None] * K + col
+    out_ok = row_ok[:, None] & (col < K)
+    tl.store(w_ptr + out, weights, mask=out_ok)
+    tl.store(id_ptr + out, ids, mask=out_ok)
+
+
+@triton.jit
+def _slots(BLOCK_T: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr):
+    """Group and in-group index of every slot, [1, G_PAD, 1] and [1, 1, EG_PAD], and the slot mask."""
+    slot_g = tl.arange(0, G_PAD)[None, :, None]
+    slot_j = tl.arange(0, EG_PAD)[None, None, :]
+    return slot_g, slot_j, (slot_g < G) & (slot_j < EG)
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, scale,
+                     G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
+                     K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < T
+    slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
+    r3 = row[:, None, None]
+    x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + slot_g * EG + slot_j,
+                mask=(r3 < T) & slot_ok, other=0.0)
+    _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                EG, G, K, K_PAD, TOPK_GROUP, SCORE, RENORMALIZE)
+
+
+@triton.jit
+def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
+                          T, D, scale,
+                          G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
+                          K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr,
+                          RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                          UPCAST_DOT: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < T
+    h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
+    NP: tl.constexpr = G_PAD * EG_PAD
+    slot = tl.arange(0, NP)
+    w_expert = (slot // EG_PAD) * EG + slot % EG_PAD
+    w_ok = ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
+    if norm_ptr is not None:  # pass 1: sum of squares for the RMSNorm
+        ssq = tl.zeros((BLOCK_T,), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)[None, :]
+            h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
+            ssq += tl.sum(h * h, axis=1)
+        inv_rms = 1.0 / tl.sqrt(ssq / D + norm_eps)
+    acc = tl.zeros((BLOCK_T, NP), tl.float32)
+    for d0 in range(0, D, BLOCK_D):  # pass 2: logits = h @ W^T
+        d = d0 + tl.arange(0, BLOCK_D)[None, :]
+        h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0)
+        if norm_ptr is not None:
+            g = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            h = round_to_bf16(h.to(tl.float32) * inv_rms[:, None] * g).to(tl.bfloat16)
+        w = tl.load(gate_ptr + w_expert.to(tl.int64)[:, None] * D + d, mask=w_ok[:, None] & (d < D), other=0.0)
+        if UPCAST_DOT:  # the interpreter cannot multiply bf16; fp32 products of bf16 values are exact
+            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w), acc)
+    slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
+    x = tl.reshape(acc, (BLOCK_T, G_PAD, EG_PAD))
+    _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                EG, G, K, K_PAD, TOPK_GROUP, SCORE, RENORMALIZE)
+
+
+def _routing_constexprs(problem) -> dict:
+    r = problem.routing
+    eg = r.experts // r.n_group
+    return dict(G=r.n_group, G_PAD=triton.next_power_of_2(r.n_group), EG=eg, EG_PAD=triton.next_power_of_2(eg),
+                K=r.top_k, K_PAD=triton.next_power_of_2(r.top_k), TOPK_GROUP=r.topk_group,
+                SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
+
+
+def _valid_bytes(valid):
+    return None if valid is None else valid.view(torch.uint8)
+
+
+def plan_route(problem, inputs, config):
+    logits = inputs["logits"]
+    weights, ids = empty_outputs(problem, logits.device)
+    launch = Launch(
+        moe_route_kernel,
+        grid=(triton.cdiv(problem.tokens, config["block_t"]),),
+        args=dict(logits_ptr=logits, stride_t=logits.stride(0), bias_ptr=inputs["bias"],
+                  valid_ptr=_valid_bytes(inputs["valid"]), w_ptr=weights, id_ptr=ids, T=problem.tokens,
+                  scale=float(problem.routing.scaling_factor), BLOCK_T=config["block_t"],
+                  **_routing_constexprs(problem)),
+        num_warps=config["num_warps"],
+    )
+    return launch, (weights, ids)
+
+
+def plan_route_gate(problem, inputs, config):
+    hidden = inputs["hidden"]
+    weights, ids = empty_outputs(problem, hidden.device)
+    launch = Launch(
+        moe_route_gate_kernel,
+        grid=(triton.cdiv(problem.tokens, config["block_t"]),),
+        args=dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
+                  norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), bias_ptr=inputs["bias"],
+                  valid_ptr=_valid_bytes(inputs["valid"]), w_ptr=weights, id_ptr=ids, T=problem.tokens,
+                  D=problem.hidden, scale=float(problem.routing.scaling_factor), BLOCK_T=config["block_t"],
+                  BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(),
+                  **_routing_constexprs(problem)),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    return launch, (weights, ids)
+
+
+def _slots_per_row(problem) -> int:
+    r = problem.routing
+    return triton.next_power_of_2(r.n_group) * triton.next_power_of_2(r.experts // r.n_group)
+
+
+# Register budget: a program keeps about four fp32 [BLOCK_T, slots] tiles live (logits, s, b, scratch);
+# at most ~64 fp32 values of each per thread keeps 255 registers within reach.
+def _fits_registers(problem, config) -> bool:
+    return config["block_t"] * _slots_per_row(problem) <= 64 * 32 * config["num_warps"]
+
+
+ROUTE_SPACE = Space(
+    params={"block_t": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
+    constraints={"block_t x slots <= 2048 x num_warps (registers)": _fits_registers},
+)
+
+
+def route_default(problem) -> dict:
+    """One warp per 512 slots; rows per program grow with the token count, up to 8."""
+    warps = max(1, min(8, _slots_per_row(problem) // 128))
+    block_t = max(1, min(8, triton.next_power_of_2(max(1, problem.tokens // 1024))))
+    return {"block_t": block_t, "num_warps": warps}
+
+
+# The W tile [slots, BLOCK_D] bf16 is staged in shared memory once per pipeline stage.
+def _fits_shared(problem, config) -> bool:
+    return config["num_stages"] * 2 * config["block_d"] * (_slots_per_row(problem) + config["block_t"]) <= 200 * 1024
+
+
+GATE_SPACE = Space(
+    params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+    constraints={
+        "block_t x slots <= 2048 x num_warps (registers)": _fits_registers,
+        "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)": _fits_shared,
+    },
+)
+
+
+def gate_default(problem) -> dict:
+    """16-row MMA tiles, 64-wide K steps, double-buffered; 8 warps for 512-slot rows."""
+    return {"block_t": 16, "block_d": 64, "num_warps": 8 if _slots_per_row(problem) >= 512 else 4, "num_stages": 2}

@@ -1,0 +1,1 @@
+"""PyTorch references: the contract of every operator, one module per family. Plain and readable."""
