@@ -26,8 +26,9 @@ def _choose_triton_mode() -> None:
 
 
 _choose_triton_mode()
+_TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_interpreted() -> bool:
-    """True when Triton kernels run under the interpreter (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when this process's Triton kernels run under the interpreter (decided at import)."""
+    return _TRITON_INTERPRETED

@@ -5,7 +5,9 @@ the chosen kernel (default: the implementation's default config for the problem)
 
 The "auto" rule (until the autotuner's per-shape tables exist):
   - on CUDA: the first implementation that can run here, Triton before TileLang;
-  - on CPU: TileLang's compiled C; interpreted Triton is never chosen for speed;
+  - on CPU: the reference. Both kernel paths are correctness paths there: PyTorch's
+    vectorized kernels beat TileLang's C and Triton's interpreter at most shapes
+    (`flashkern bench`), and interpreted Triton is never chosen for speed;
   - the reference when no implementation can run on the device.
 The order of checks is: arguments (named in the error), backend name, device support, config;
 nothing is launched before all of them pass.
@@ -18,7 +20,7 @@ import torch
 from flashkern import device as devices
 from flashkern.registry import Implementation, Operator
 
-AUTO_ORDER = {"cuda": ("triton", "tilelang"), "cpu": ("tilelang",)}
+AUTO_ORDER = {"cuda": ("triton", "tilelang"), "cpu": ()}
 
 
 def _device_of(inputs: dict) -> torch.device:

@@ -31,7 +31,7 @@ import torch
 from flashkern.kernels._tilelang import codecs
 from flashkern.kernels.build import BuildReport, parse_ptxas
 
-logging.getLogger("TileLang").setLevel(logging.WARNING)
+logging.getLogger("tilelang").setLevel(logging.WARNING)  # "begins/completes to compile" at INFO
 
 CPU_PASS_CONFIGS = {"tirx.disable_vectorize": True}  # math inside auto-vectorized loops fails on the C target
 CPU_COMPILE_FLAGS = ["-O2"]  # the C compiler otherwise runs at -O0 (about 13x slower)
@@ -87,9 +87,9 @@ def compile_cpu(prim_func):
     )
 
 
-def compile_cuda(prim_func):
+def compile_cuda(prim_func, pass_configs: dict | None = None):
     """JIT-compile a GPU-flavour kernel for the current CUDA device."""
-    return tilelang.compile(prim_func, target="cuda")
+    return tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs or {})
 
 
 def _sm90_target():
@@ -98,10 +98,12 @@ def _sm90_target():
     return Target({"kind": "cuda", "arch": SM90_ARCH})
 
 
-def lower_sm90(prim_func):
+def lower_sm90(prim_func, pass_configs: dict | None = None):
     """Lower a GPU-flavour kernel for sm_90a: returns (CUDA source, dynamic shared memory bytes, threads)."""
+    from tvm import transform
+
     target = _sm90_target()
-    with target:
+    with transform.PassContext(opt_level=3, config=pass_configs or {}), target:
         artifact = tilelang.lower(prim_func, target=target)
     smem, threads = 0, 0
     for _, fn in artifact.device_mod.functions.items():
@@ -126,9 +128,9 @@ def _include_dirs() -> list[str]:
     return [os.path.join(root, "src"), os.path.join(root, "3rdparty", "cutlass", "include")]
 
 
-def build_sm90(prim_func) -> BuildReport:
+def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
     """Lower for sm_90a and compile to a cubin with nvcc; report registers, spills and shared memory."""
-    source, dyn_smem, threads = lower_sm90(prim_func)
+    source, dyn_smem, threads = lower_sm90(prim_func, pass_configs)
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found: the TileLang sm_90a build needs the CUDA compiler")
@@ -153,11 +155,13 @@ class TileLangKernel:
 
     program(problem, config, flavour) -> prim_func, with dynamic sizes for what varies per call;
     arguments(problem, inputs, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
+    gpu_pass_configs: TileLang pass options for the CUDA build (the same for JIT and the sm_90a check).
     Compiled kernels are cached per (problem.specialization(), config, target).
     """
 
     program: Callable
     arguments: Callable
+    gpu_pass_configs: dict = field(default_factory=dict)
     min_capability: tuple[int, int] = (8, 0)
     cpu_mode = "TileLang C target (compiled with -O2)"
     _compiled: dict = field(default_factory=dict, repr=False)
@@ -166,7 +170,7 @@ class TileLangKernel:
         key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu)
         if key not in self._compiled:
             func = self.program(problem, config, fl)
-            self._compiled[key] = compile_cuda(func) if fl.on_gpu else compile_cpu(func)
+            self._compiled[key] = compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func)
         return self._compiled[key]
 
     def run(self, problem, inputs, config):
@@ -178,7 +182,7 @@ class TileLangKernel:
         return outputs
 
     def build_sm90(self, problem, inputs, config) -> BuildReport:
-        return build_sm90(self.program(problem, config, GPU))
+        return build_sm90(self.program(problem, config, GPU), self.gpu_pass_configs)
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""

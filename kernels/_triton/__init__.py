@@ -79,9 +79,18 @@ def _signature(launch: Launch):
     return signature, constexprs, attrs
 
 
+def _ptxas_path() -> str:
+    """The ptxas Triton itself uses for sm_90 (its bundle holds more than one)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        return get_ptxas(90).path
+    except TypeError:  # Triton versions whose get_ptxas takes no architecture
+        return get_ptxas().path
+
+
 def build_sm90(launch: Launch) -> BuildReport:
     """Compile `launch` ahead of time for compute capability 9.0 and report its resources."""
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -99,7 +108,7 @@ def build_sm90(launch: Launch) -> BuildReport:
         with open(path, "w") as f:
             f.write(ptx)
         proc = subprocess.run(
-            [knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+            [_ptxas_path(), "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True, text=True,
         )
     if proc.returncode != 0:

@@ -17,7 +17,7 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.moe_route import tilelang_kernels as tl_kernels
 from flashkern.kernels.moe_route import triton_kernels as tr_kernels
-from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing
+from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing  # noqa: F401 (public names)
 from flashkern.reference import moe_route as ref
 from flashkern.registry import Cost, Implementation, Operator
 
@@ -292,7 +292,8 @@ MOE_ROUTE_GATE = Operator(
     implementations=(
         Implementation("triton", TritonKernel(tr_kernels.plan_route_gate), tr_kernels.GATE_SPACE,
                        tr_kernels.gate_default),
-        Implementation("tilelang", TileLangKernel(tl_kernels.route_gate_program, tl_kernels.route_gate_args),
+        Implementation("tilelang", TileLangKernel(tl_kernels.route_gate_program, tl_kernels.route_gate_args,
+                                      gpu_pass_configs=tl_kernels.GATE_PASS_CONFIGS),
                        tl_kernels.GATE_SPACE, tl_kernels.gate_default),
     ),
     check=check_route_gate,

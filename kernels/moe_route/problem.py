@@ -57,3 +57,27 @@ def empty_outputs(problem: RouteProblem, device) -> tuple[torch.Tensor, torch.Te
     """Uninitialized (weights [T, k] fp32, ids [T, k] int32)."""
     shape = (problem.tokens, problem.routing.top_k)
     return torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.int32, device=device)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Experts laid out as power-of-two slots: slot g * group_width + j holds expert g * EG + j.
+
+    Both DSLs tile rows as [rows, slots]; padding slots (j >= EG or g >= G) are masked out.
+    Power-of-two widths keep every row and group reduction a clean butterfly on the GPU.
+    """
+
+    groups: int  # G padded to a power of two
+    group_width: int  # EG = E / G padded to a power of two
+
+    @property
+    def slots(self) -> int:
+        return self.groups * self.group_width
+
+
+def slot_layout(routing: Routing) -> SlotLayout:
+    return SlotLayout(_next_power_of_2(routing.n_group), _next_power_of_2(routing.experts // routing.n_group))

@@ -19,10 +19,10 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.moe_route.problem import empty_outputs
+from flashkern.kernels.moe_route.problem import empty_outputs, slot_layout
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
+LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
 
 
 @triton.jit
@@ -162,8 +162,8 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
 
 def _routing_constexprs(problem) -> dict:
     r = problem.routing
-    eg = r.experts // r.n_group
-    return dict(G=r.n_group, G_PAD=triton.next_power_of_2(r.n_group), EG=eg, EG_PAD=triton.next_power_of_2(eg),
+    layout = slot_layout(r)
+    return dict(G=r.n_group, G_PAD=layout.groups, EG=r.experts // r.n_group, EG_PAD=layout.group_width,
                 K=r.top_k, K_PAD=triton.next_power_of_2(r.top_k), TOPK_GROUP=r.topk_group,
                 SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
 
@@ -205,44 +205,45 @@ def plan_route_gate(problem, inputs, config):
     return launch, (weights, ids)
 
 
-def _slots_per_row(problem) -> int:
-    r = problem.routing
-    return triton.next_power_of_2(r.n_group) * triton.next_power_of_2(r.experts // r.n_group)
-
-
-# Register budget: a program keeps about four fp32 [BLOCK_T, slots] tiles live (logits, s, b, scratch);
-# at most ~64 fp32 values of each per thread keeps 255 registers within reach.
-def _fits_registers(problem, config) -> bool:
-    return config["block_t"] * _slots_per_row(problem) <= 64 * 32 * config["num_warps"]
+# Register budget: a program keeps about six fp32 [BLOCK_T, slots] tiles live (logits, s, b, scratch);
+# the fused-gate kernel also holds its dot accumulator, so it gets half the per-thread share.
+def _tile_values_per_thread(problem, config) -> int:
+    return config["block_t"] * slot_layout(problem.routing).slots // (32 * config["num_warps"])
 
 
 ROUTE_SPACE = Space(
     params={"block_t": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
-    constraints={"block_t x slots <= 2048 x num_warps (registers)": _fits_registers},
+    constraints={"block_t x slots / threads <= 64 (registers)": lambda p, c: _tile_values_per_thread(p, c) <= 64},
 )
 
 
 def route_default(problem) -> dict:
-    """One warp per 512 slots; rows per program grow with the token count, up to 8."""
-    warps = max(1, min(8, _slots_per_row(problem) // 128))
+    """A warp per 128 slots (4 for 384 experts); rows per program grow with the token count, up to 8.
+
+    Under the interpreter every tl op costs ~0.1 ms whatever its size, so programs take 32 rows.
+    """
+    warps = max(1, min(8, slot_layout(problem.routing).slots // 128))
+    if flashkern.triton_interpreted():
+        return {"block_t": 32, "num_warps": 8}
     block_t = max(1, min(8, triton.next_power_of_2(max(1, problem.tokens // 1024))))
     return {"block_t": block_t, "num_warps": warps}
 
 
 # The W tile [slots, BLOCK_D] bf16 is staged in shared memory once per pipeline stage.
 def _fits_shared(problem, config) -> bool:
-    return config["num_stages"] * 2 * config["block_d"] * (_slots_per_row(problem) + config["block_t"]) <= 200 * 1024
+    return config["num_stages"] * 2 * config["block_d"] * (slot_layout(problem.routing).slots + config["block_t"]) <= 200 * 1024
 
 
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
     constraints={
-        "block_t x slots <= 2048 x num_warps (registers)": _fits_registers,
+        "block_t x slots / threads <= 32 (registers; 64-row tiles spill ~4 KB)":
+            lambda p, c: _tile_values_per_thread(p, c) <= 32,
         "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)": _fits_shared,
     },
 )
 
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles, 64-wide K steps, double-buffered; 8 warps for 512-slot rows."""
-    return {"block_t": 16, "block_d": 64, "num_warps": 8 if _slots_per_row(problem) >= 512 else 4, "num_stages": 2}
+    """16-row MMA tiles, 64-wide K steps, double-buffered, 8 warps (4 warps spill at 256 slots)."""
+    return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2}

@@ -1,0 +1,5 @@
+import sys
+
+from flashkern.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""`flashkern bench`: time the reference and every implementation at a preset's shapes.
+
+Every implementation's output is checked against the reference before it is timed, and the
+bytes the operator must move (its cost model) turn times into GB/s. Interpreted Triton is
+timed too, but it is a correctness path, not a speed contender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashkern import device as devices
+from flashkern import registry
+from flashkern.autotune.timing import Timing, measure
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    op: str
+    problem: object
+    backend: str
+    timing: Timing | None
+    bytes: float
+    status: str  # "ok", "reference", or why there is no figure
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes / self.timing.median / 1e9 if self.timing else None
+
+
+def bench(op_names, preset: str = "smoke", device: str | None = None, budget: float = 0.5, on_row=None):
+    """Rows for every (problem, backend) of each operator's preset."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = devices.info(device)
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        if on_row:
+            on_row(row)
+
+    for name in op_names:
+        op = registry.get(name)
+        for problem in op.presets[preset]:
+            moved = op.cost(problem).bytes
+            inputs = op.make_inputs(problem, device, seed=0)
+            expected = op.reference(**inputs)
+            emit(BenchRow(name, problem, "reference", measure(lambda: op.reference(**inputs), device, budget=budget),
+                          moved, "reference"))
+            for impl in op.implementations:
+                reason = impl.unavailable(info)
+                if reason:
+                    emit(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
+                    continue
+                config = impl.default_config(problem)
+                try:
+                    op.compare(inputs, expected, impl.run(problem, inputs, config))
+                except AssertionError as exc:
+                    emit(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
+                    continue
+                timing = measure(lambda: impl.run(problem, inputs, config), device, budget=budget)
+                emit(BenchRow(name, problem, impl.name, timing, moved, "ok"))
+    return rows

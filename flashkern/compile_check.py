@@ -1,0 +1,110 @@
+"""GPU build check without a GPU: every implementation lowers and compiles for sm_90a.
+
+For each operator and each distinct kernel specialization in a preset, the default config
+and a reproducible sample of the tuning space are built:
+  Triton:   ahead-of-time compile for GPUTarget("cuda", 90, 32), then Triton's ptxas -v;
+  TileLang: the GPU flavour lowered for sm_90a, then nvcc -cubin --resource-usage.
+Builds run in parallel worker processes started with TRITON_INTERPRET=0 (interpreted
+kernels cannot be compiled). TileLang builds need nvcc; where it is absent they are
+reported as skipped, never as passed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from flashkern import registry
+from flashkern.kernels.build import BuildReport
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    op: str
+    impl: str
+    problem: object
+    config: dict
+    default: bool
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    job: BuildJob
+    report: BuildReport | None
+    seconds: float
+    error: str = ""
+    skipped: bool = False  # the toolchain for this build is missing here
+
+    @property
+    def ok(self) -> bool:
+        return self.report is not None
+
+
+def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> list[BuildJob]:
+    """Default config plus `sample` more configs per implementation and distinct specialization."""
+    jobs = []
+    for name in op_names:
+        op = registry.get(name)
+        problems = {}
+        for problem in op.presets[preset]:
+            problems.setdefault(problem.specialization(), problem)
+        for problem in problems.values():
+            for impl in op.implementations:
+                default = impl.default_config(problem)
+                extra = [c for c in impl.space.sample(problem, sample + 1, seed) if c != default][:sample]
+                jobs.append(BuildJob(name, impl.name, problem, default, True))
+                jobs += [BuildJob(name, impl.name, problem, c, False) for c in extra]
+    return jobs
+
+
+def build(job: BuildJob) -> BuildResult:
+    """Build one job (in a worker process with TRITON_INTERPRET=0)."""
+    from flashkern.kernels._tilelang import nvcc_path
+
+    op = registry.get(job.op)
+    impl = op.implementation(job.impl)
+    start = time.perf_counter()
+    if job.impl == "tilelang" and nvcc_path() is None:
+        return BuildResult(job, None, 0.0, "nvcc not found", skipped=True)
+    try:
+        inputs = op.make_inputs(job.problem, "cpu", 0)
+        report = impl.build_sm90(job.problem, inputs, job.config)
+        return BuildResult(job, report, time.perf_counter() - start)
+    except Exception as exc:  # a failed build is a result to report, not a crash of the check
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return BuildResult(job, None, time.perf_counter() - start, detail[-2000:])
+
+
+@contextmanager
+def _environment(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(jobs: list[BuildJob], workers: int | None = None, on_result=None) -> list[BuildResult]:
+    """Build every job in spawned workers that compile Triton natively; results in job order."""
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    results: list[BuildResult | None] = [None] * len(jobs)
+    # Workers inherit the environment at spawn time; the parent's own kernels are already defined.
+    with _environment(TRITON_INTERPRET="0"), ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        futures = {pool.submit(build, job): i for i, job in enumerate(jobs)}
+        for future in as_completed(futures):
+            results[futures[future]] = future.result()
+            if on_result:
+                on_result(results[futures[future]])
+    return results

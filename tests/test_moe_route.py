@@ -1,0 +1,289 @@
+"""Fused MoE routing: every implementation (default config and sampled configs) against the reference.
+
+Hypothesis draws the routing rule (experts, groups, top_k, score), the token count (odd sizes,
+tails that are not multiples of a tile) and how values look (normal, exact ties, extreme and
+infinite logits, NaN in valid rows, a dominating bias); tensors come from a drawn seed so
+failures shrink to small shapes. The property oracle (kernels/moe_route.check_routing_result)
+accepts any correct tie choice and checks weights against the reference formula.
+"""
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import flashkern.ops
+from flashkern import registry
+from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
+from flashkern.reference import moe_route as ref
+
+MOE_ROUTE = registry.get("moe_route")
+MOE_ROUTE_GATE = registry.get("moe_route_gate")
+KERNELS = ("triton", "tilelang")
+VALUE_MODES = ("normal", "ties", "extreme", "nan_in_valid_rows", "dominant_bias")
+
+
+@st.composite
+def routings(draw) -> Routing:
+    """The two model rules, or a random rule with a valid group structure."""
+    kind = draw(st.sampled_from(["v41", "v3", "random"]))
+    if kind == "v41":
+        return V41_FLASH
+    if kind == "v3":
+        return V3
+    experts = draw(st.sampled_from([2, 7, 16, 40, 64, 160, 384]))
+    n_group = draw(st.sampled_from([g for g in (1, 2, 4, 8) if experts % g == 0 and (g == 1 or experts // g >= 2)]))
+    topk_group = draw(st.integers(1, n_group)) if n_group > 1 else 1
+    top_k = draw(st.integers(1, min(12, topk_group * experts // n_group)))
+    return Routing(experts=experts, top_k=top_k, score=draw(st.sampled_from(ref.SCORES)), n_group=n_group,
+                   topk_group=topk_group, renormalize=draw(st.booleans()),
+                   scaling_factor=draw(st.sampled_from([1.0, 1.5, 2.5])))
+
+
+def fill_values(gen: torch.Generator, tokens: int, experts: int, mode: str, valid, has_bias: bool):
+    """(logits, bias) in the drawn value mode; invalid rows get NaN (and some inf) logits."""
+    logits = 2.0 * torch.randn(tokens, experts, generator=gen)
+    bias = 0.1 * torch.randn(experts, generator=gen) if has_bias else None
+    if mode == "ties":  # a coarse grid: many exactly equal scores and group sums
+        logits = torch.randint(-3, 4, (tokens, experts), generator=gen).float() / 2
+        if bias is not None:
+            bias = torch.randint(-1, 2, (experts,), generator=gen).float() / 4
+    elif mode == "extreme":
+        pick = torch.randint(0, 6, (tokens, experts), generator=gen)
+        big = torch.tensor([1e4, -1e4, 88.0, -88.0, float("inf"), float("-inf")])
+        logits = torch.where(torch.rand(tokens, experts, generator=gen) < 0.3, big[pick], logits)
+    elif mode == "nan_in_valid_rows":
+        logits[torch.rand(tokens, experts, generator=gen) < 0.05] = float("nan")
+    elif mode == "dominant_bias" and bias is not None:
+        bias[torch.randperm(experts, generator=gen)[: max(1, experts // 8)]] = 100.0
+    if valid is not None:
+        logits[~valid] = float("nan")
+        logits[~valid, :1] = float("inf")
+    return logits, bias
+
+
+@st.composite
+def route_cases(draw, max_tokens: int = 3000, routing=None):
+    routing = routing or draw(routings())
+    tokens = draw(st.one_of(st.integers(1, 40), st.integers(41, max_tokens)))
+    mode = draw(st.sampled_from(VALUE_MODES))
+    has_bias, has_valid = draw(st.booleans()), draw(st.booleans())
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    valid = torch.rand(tokens, generator=gen) < 0.8 if has_valid else None
+    logits, bias = fill_values(gen, tokens, routing.experts, mode, valid, has_bias)
+    note(f"{routing} tokens={tokens} mode={mode} bias={has_bias} valid={has_valid}")
+    return dict(logits=logits, bias=bias, valid=valid, **routing.kwargs())
+
+
+@st.composite
+def gate_cases(draw):
+    routing = draw(routings())
+    tokens = draw(st.one_of(st.integers(1, 20), st.integers(21, 300)))
+    hidden = draw(st.one_of(st.integers(1, 70), st.sampled_from([128, 257, 513])))
+    has_bias, has_valid, has_norm = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    valid = torch.rand(tokens, generator=gen) < 0.8 if has_valid else None
+    h = torch.randn(tokens, hidden, generator=gen) * draw(st.sampled_from([1.0, 30.0]))
+    if valid is not None:
+        h[~valid] = float("nan")  # padding rows of the hidden state hold garbage
+    note(f"{routing} tokens={tokens} hidden={hidden} bias={has_bias} valid={has_valid} norm={has_norm}")
+    return dict(
+        hidden=h.to(torch.bfloat16),
+        gate_weight=(torch.randn(routing.experts, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16),
+        bias=0.1 * torch.randn(routing.experts, generator=gen) if has_bias else None,
+        norm_weight=(1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16) if has_norm else None,
+        norm_eps=1e-6, valid=valid, **routing.kwargs())
+
+
+def run_and_check(op, inputs, backend, config=None):
+    actual = op.entry(**inputs, backend=backend, config=config)
+    op.compare(inputs, None, actual)
+    return actual
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@given(inputs=route_cases())
+def test_moe_route_matches_reference(backend, inputs):
+    run_and_check(MOE_ROUTE, inputs, backend)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@given(inputs=gate_cases())
+def test_moe_route_gate_matches_reference(backend, inputs):
+    run_and_check(MOE_ROUTE_GATE, inputs, backend)
+
+
+@pytest.mark.parametrize("op", (MOE_ROUTE, MOE_ROUTE_GATE), ids=lambda op: op.name)
+@pytest.mark.parametrize("backend", KERNELS)
+@given(data=st.data())
+def test_sampled_configs_match_reference(op, backend, data):
+    """Any config of the tuning space (not only the default) gives correct routing."""
+    inputs = data.draw(route_cases(max_tokens=200) if op is MOE_ROUTE else gate_cases())
+    impl = op.implementation(backend)
+    config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs))))
+    note(f"config={config}")
+    run_and_check(op, inputs, backend, config)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))
+def test_model_presets_match_reference(backend, routing):
+    """The model's own shapes, at a token count that spans several blocks and a padded tail."""
+    problem = RouteProblem(tokens=1000, routing=routing, has_valid=True)
+    inputs = MOE_ROUTE.make_inputs(problem, "cpu", seed=3)
+    run_and_check(MOE_ROUTE, inputs, backend)
+    gate = RouteProblem(tokens=50, routing=routing, has_valid=True, hidden=5120, has_norm=True)
+    run_and_check(MOE_ROUTE_GATE, MOE_ROUTE_GATE.make_inputs(gate, "cpu", seed=3), backend)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_every_expert_tied(backend):
+    """All keys equal: any k distinct experts are right; a knock-out bug would repeat one."""
+    inputs = dict(logits=torch.zeros(33, 64), bias=None, valid=None, **Routing(64, 8, "sigmoid", 4, 2).kwargs())
+    weights, ids = run_and_check(MOE_ROUTE, inputs, backend)
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    torch.testing.assert_close(weights, torch.full_like(weights, 1 / 8))
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_dominant_bias_decides_selection_not_weights(backend):
+    """A bias of +100 on six experts selects exactly them; weights stay the unbiased scores."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(57, 384, generator=gen)
+    chosen = torch.tensor([3, 77, 150, 200, 301, 383])
+    bias = torch.zeros(384)
+    bias[chosen] = 100.0
+    weights, ids = flashkern.ops.moe_route(logits, bias, top_k=6, score="sqrtsoftplus", scaling_factor=1.5,
+                                           backend=backend)
+    assert (ids.sort(dim=1).values == chosen.int()).all()
+    s = ref.scores(logits, "sqrtsoftplus")[:, chosen]
+    expected = s / s.sum(dim=1, keepdim=True) * 1.5
+    torch.testing.assert_close(weights.gather(1, ids.argsort(dim=1)), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_invalid_rows_with_nan_logits(backend):
+    logits = torch.full((9, 256), float("nan"))
+    valid = torch.zeros(9, dtype=torch.bool)
+    logits[4] = torch.randn(256)
+    valid[4] = True
+    weights, ids = flashkern.ops.moe_route(logits, torch.zeros(256), valid=valid, backend=backend, **V3.kwargs())
+    assert (ids[valid == 0] == -1).all() and (weights[valid == 0] == 0).all()
+    assert (ids[4] >= 0).all()
+
+
+@pytest.mark.parametrize("op", (MOE_ROUTE, MOE_ROUTE_GATE), ids=lambda op: op.name)
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_zero_tokens(op, backend):
+    problem = RouteProblem(tokens=0, routing=V41_FLASH, hidden=64 if op is MOE_ROUTE_GATE else 0)
+    weights, ids = op.entry(**op.make_inputs(problem, "cpu"), backend=backend)
+    assert weights.shape == (0, 6) and ids.shape == (0, 6) and ids.dtype == torch.int32
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_repeated_runs_are_bitwise_identical(backend):
+    inputs = MOE_ROUTE.make_inputs(RouteProblem(tokens=300, routing=V3, has_valid=True), "cpu", seed=1)
+    first, second = (MOE_ROUTE.entry(**inputs, backend=backend) for _ in range(2))
+    assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
+
+
+# ---------------------------------------------------------------- the oracle catches wrong answers
+
+
+def _reference_case(seed=0):
+    inputs = MOE_ROUTE.make_inputs(RouteProblem(tokens=64, routing=V3, has_valid=True), "cpu", seed=seed)
+    return inputs, [t.clone() for t in ref.moe_route(**inputs)]
+
+
+def _check(inputs, weights, ids):
+    check_routing_result(inputs["logits"], inputs, weights, ids, key_tol=1e-6, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("corruption", ["swap_in_unselected", "duplicate_id", "weight_off", "padding_row",
+                                        "wrong_group", "out_of_range", "unnormalized"])
+def test_oracle_rejects_wrong_routing(corruption):
+    inputs, (weights, ids) = _reference_case()
+    _check(inputs, weights, ids)  # the reference itself passes
+    row = int(torch.nonzero(inputs["valid"])[0])
+    b = ref.selection_keys(ref.scores(inputs["logits"], "sigmoid"), inputs["bias"])
+    if corruption == "swap_in_unselected":  # replace the best chosen expert by the worst expert of a kept group
+        group = int(ids[row, 0]) // 32
+        members = torch.arange(group * 32, group * 32 + 32)
+        worst = members[b[row, members].argmin()]
+        ids[row, b[row, ids[row].long()].argmax()] = worst
+    elif corruption == "duplicate_id":
+        ids[row, 1] = ids[row, 0]
+    elif corruption == "weight_off":
+        weights[row, 0] += 1e-3
+    elif corruption == "padding_row":
+        weights[int(torch.nonzero(~inputs["valid"])[0]), 0] = 0.5
+    elif corruption == "wrong_group":  # an expert from the worst group
+        worst_group = ref.group_scores(b, 8)[row].argmin()
+        ids[row, -1] = int(worst_group) * 32
+    elif corruption == "out_of_range":
+        ids[row, 0] = 256
+    elif corruption == "unnormalized":
+        weights[row] *= 1.01
+    with pytest.raises(AssertionError):
+        _check(inputs, weights, ids)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _good_route_args():
+    return dict(logits=torch.randn(5, 64), bias=torch.zeros(64), top_k=4, score="sigmoid", n_group=8, topk_group=2,
+                valid=torch.ones(5, dtype=torch.bool))
+
+
+BAD_ROUTE_ARGS = [
+    (dict(logits=torch.randn(5, 64).bfloat16()), TypeError, "logits must be float32"),
+    (dict(logits=torch.randn(5, 64, 1)), ValueError, "logits must have shape"),
+    (dict(logits=torch.randn(64, 5).t()), ValueError, "logits must be contiguous"),
+    (dict(logits=[[0.0] * 64] * 5), TypeError, "logits must be a torch.Tensor"),
+    (dict(bias=torch.zeros(63)), ValueError, "bias must have shape [64]"),
+    (dict(bias=torch.zeros(64, dtype=torch.float64)), TypeError, "bias must be float32"),
+    (dict(bias=torch.zeros(64, device="meta")), ValueError, "bias is on meta"),
+    (dict(valid=torch.ones(5)), TypeError, "valid must be bool"),
+    (dict(valid=torch.ones(4, dtype=torch.bool)), ValueError, "valid must have shape [5]"),
+    (dict(top_k=65, n_group=1, topk_group=1), ValueError, "top_k=65"),
+    (dict(top_k=17), ValueError, "top_k=17"),  # more than the 16 experts in 2 of 8 groups
+    (dict(top_k=0), ValueError, "top_k=0"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(n_group=7), ValueError, "n_group=7 does not divide the 64 experts"),
+    (dict(n_group=64, topk_group=1), ValueError, "n_group=64 leaves one expert per group"),
+    (dict(topk_group=9), ValueError, "topk_group=9"),
+    (dict(score="relu"), ValueError, "score must be one of"),
+    (dict(scaling_factor=float("nan")), ValueError, "scaling_factor must be a finite number"),
+    (dict(renormalize=1), TypeError, "renormalize must be a bool"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(backend="triton", config={"block_t": 3, "num_warps": 4}), ValueError, "config['block_t'] = 3"),
+    (dict(backend="tilelang", config={"block": 4}), ValueError, "config: unknown keys ['block']"),
+    (dict(backend="reference", config={"block_t": 1}), ValueError, "config is for a kernel"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD_ROUTE_ARGS, ids=[m for _, _, m in BAD_ROUTE_ARGS])
+def test_bad_route_arguments_are_named_before_launch(monkeypatch, changes, error, message):
+    for impl in MOE_ROUTE.implementations:  # a launch would fail the test instead of raising the named error
+        monkeypatch.setattr(type(impl.kernel), "run", lambda *a: pytest.fail("a kernel ran despite bad input"))
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        flashkern.ops.moe_route(**{**_good_route_args(), **changes})
+
+
+BAD_GATE_ARGS = [
+    (dict(hidden=torch.randn(5, 32)), TypeError, "hidden must be bfloat16"),
+    (dict(gate_weight=torch.randn(64, 31).bfloat16()), ValueError, r"gate_weight must have shape \[\*, 32\]"),
+    (dict(gate_weight=torch.randn(64, 32)), TypeError, "gate_weight must be bfloat16"),
+    (dict(norm_weight=torch.ones(31).bfloat16()), ValueError, r"norm_weight must have shape \[32\]"),
+    (dict(norm_eps=0.0), ValueError, "norm_eps must be positive"),
+    (dict(top_k=65, n_group=1, topk_group=1), ValueError, "top_k=65"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD_GATE_ARGS, ids=[m for _, _, m in BAD_GATE_ARGS])
+def test_bad_gate_arguments_are_named(changes, error, message):
+    args = dict(hidden=torch.randn(5, 32).bfloat16(), gate_weight=torch.randn(64, 32).bfloat16(),
+                norm_weight=torch.ones(32).bfloat16(), top_k=4, score="sigmoid", n_group=8, topk_group=2)
+    with pytest.raises(error, match=message):
+        flashkern.ops.moe_route_gate(**{**args, **changes})
