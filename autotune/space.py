@@ -1,8 +1,11 @@
-"""Tuning spaces: named parameters with candidate values, and named constraints.
+"""Tuning spaces: named parameters with candidate values, constraints and target limits.
 
-A space is declared next to its kernel. Constraints take (problem, config) and say whether the
-config can run that problem (register, shared-memory and shape limits); each has a description,
-so a pruned config can say why. Configs are plain dicts.
+A space is declared next to its kernel. Both kinds of rule take (problem, config) and say
+whether the config may run that problem; each has a description, so a pruned config says why.
+  constraints: hold on every target (shape rules);
+  limits:      resource models of a GPU target (registers, shared memory), checked on CUDA
+               only; the CPU paths (TileLang's C, Triton's interpreter) have no such limits.
+Configs are plain dicts.
 """
 
 from __future__ import annotations
@@ -19,23 +22,25 @@ Config = dict[str, Any]
 class Space:
     params: dict[str, tuple]
     constraints: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
+    limits: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
 
-    def violations(self, problem, config: Config) -> list[str]:
-        """Descriptions of the constraints `config` breaks for `problem` (empty when it fits)."""
-        return [text for text, holds in self.constraints.items() if not holds(problem, config)]
+    def violations(self, problem, config: Config, target: str = "cuda") -> list[str]:
+        """Descriptions of the rules `config` breaks for `problem` on `target` ("cuda" or "cpu")."""
+        rules = {**self.constraints, **(self.limits if target == "cuda" else {})}
+        return [text for text, holds in rules.items() if not holds(problem, config)]
 
-    def configs(self, problem) -> list[Config]:
-        """Every config of the space that satisfies the constraints for `problem`."""
+    def configs(self, problem, target: str = "cuda") -> list[Config]:
+        """Every config of the space that may run `problem` on `target`."""
         names = list(self.params)
         every = (dict(zip(names, values)) for values in itertools.product(*self.params.values()))
-        return [c for c in every if not self.violations(problem, c)]
+        return [c for c in every if not self.violations(problem, c, target)]
 
-    def sample(self, problem, count: int, seed: int = 0) -> list[Config]:
+    def sample(self, problem, count: int, seed: int = 0, target: str = "cuda") -> list[Config]:
         """Up to `count` distinct valid configs, drawn reproducibly."""
-        valid = self.configs(problem)
+        valid = self.configs(problem, target)
         return random.Random(seed).sample(valid, min(count, len(valid)))
 
-    def check(self, problem, config: Config) -> None:
+    def check(self, problem, config: Config, target: str = "cuda") -> None:
         """Raise ValueError naming `config` if it has unknown keys, off-space values or breaks a constraint."""
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict of tuning parameters, got {type(config).__name__}")
@@ -46,6 +51,6 @@ class Space:
         for name, value in config.items():
             if value not in self.params[name]:
                 raise ValueError(f"config[{name!r}] = {value!r} is not in the tuning space {self.params[name]}")
-        broken = self.violations(problem, config)
+        broken = self.violations(problem, config, target)
         if broken:
-            raise ValueError(f"config {config} does not fit this problem: {'; '.join(broken)}")
+            raise ValueError(f"config {config} does not fit this problem on {target}: {'; '.join(broken)}")

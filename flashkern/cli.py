@@ -130,7 +130,7 @@ def cmd_compile_check(args) -> int:
         table.add_column(col, justify="right" if col in ("regs", "spills B", "smem KiB", "threads", "s") else "left")
     for r in results:
         job, rep = r.job, r.report
-        config = ", ".join(f"{k}={v}" for k, v in job.config.items()) + (" (default)" if job.default else "")
+        config = ", ".join(f"{k}={v}" for k, v in r.config.items()) + (" (default)" if job.default else "")
         result = "ok" if r.ok else ("[yellow]skipped: " + r.error + "[/yellow]" if r.skipped else "[red]FAILED[/red]")
         if rep:
             figures = [str(rep.registers), str(rep.spills), f"{rep.smem / 1024:.1f}", str(rep.threads),
@@ -141,10 +141,10 @@ def cmd_compile_check(args) -> int:
     console.print(table)
     for r in results:
         if not r.ok and not r.skipped:
-            console.print(f"[red]{r.job.op}/{r.job.impl} {r.job.config}[/red]\n{r.error}")
+            console.print(f"[red]{r.job.op}/{r.job.impl} {r.config}[/red]\n{r.error}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(op=r.job.op, impl=r.job.impl, problem=r.job.problem.key, config=r.job.config,
+            json.dump([dict(op=r.job.op, impl=r.job.impl, problem=r.job.problem.key, config=r.config,
                             default=r.job.default, ok=r.ok, skipped=r.skipped, error=r.error, seconds=r.seconds,
                             **(r.report.__dict__ if r.report else {})) for r in results], f, indent=1)
     return 0 if all(r.ok or r.skipped for r in results) else 1

@@ -28,13 +28,17 @@ class BuildJob:
     op: str
     impl: str
     problem: object
-    config: dict
-    default: bool
+    config: dict | None  # None: the implementation's default, resolved where the build runs
+
+    @property
+    def default(self) -> bool:
+        return self.config is None
 
 
 @dataclass(frozen=True)
 class BuildResult:
     job: BuildJob
+    config: dict  # the config that was built
     report: BuildReport | None
     seconds: float
     error: str = ""
@@ -46,7 +50,10 @@ class BuildResult:
 
 
 def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> list[BuildJob]:
-    """Default config plus `sample` more configs per implementation and distinct specialization."""
+    """Default config plus `sample` more configs per implementation and distinct specialization.
+
+    Defaults are resolved in the (non-interpreted) build worker: they are the GPU defaults.
+    """
     jobs = []
     for name in op_names:
         op = registry.get(name)
@@ -55,10 +62,8 @@ def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> lis
             problems.setdefault(problem.specialization(), problem)
         for problem in problems.values():
             for impl in op.implementations:
-                default = impl.default_config(problem)
-                extra = [c for c in impl.space.sample(problem, sample + 1, seed) if c != default][:sample]
-                jobs.append(BuildJob(name, impl.name, problem, default, True))
-                jobs += [BuildJob(name, impl.name, problem, c, False) for c in extra]
+                jobs.append(BuildJob(name, impl.name, problem, None))
+                jobs += [BuildJob(name, impl.name, problem, c) for c in impl.space.sample(problem, sample, seed)]
     return jobs
 
 
@@ -68,16 +73,17 @@ def build(job: BuildJob) -> BuildResult:
 
     op = registry.get(job.op)
     impl = op.implementation(job.impl)
+    config = impl.default_config(job.problem) if job.default else job.config
     start = time.perf_counter()
     if job.impl == "tilelang" and nvcc_path() is None:
-        return BuildResult(job, None, 0.0, "nvcc not found", skipped=True)
+        return BuildResult(job, config, None, 0.0, "nvcc not found", skipped=True)
     try:
         inputs = op.make_inputs(job.problem, "cpu", 0)
-        report = impl.build_sm90(job.problem, inputs, job.config)
-        return BuildResult(job, report, time.perf_counter() - start)
+        report = impl.build_sm90(job.problem, inputs, config)
+        return BuildResult(job, config, report, time.perf_counter() - start)
     except Exception as exc:  # a failed build is a result to report, not a crash of the check
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        return BuildResult(job, None, time.perf_counter() - start, detail[-2000:])
+        return BuildResult(job, config, None, time.perf_counter() - start, detail[-2000:])
 
 
 @contextmanager

@@ -55,7 +55,7 @@ def resolve(op: Operator, problem, device_info, backend: str, config) -> tuple[I
         return None, None
     if config is None:
         config = impl.default_config(problem)
-    impl.space.check(problem, config)
+    impl.space.check(problem, config, device_info.kind)
     return impl, config
 
 

@@ -205,45 +205,56 @@ def plan_route_gate(problem, inputs, config):
     return launch, (weights, ids)
 
 
-# Register budget: a program keeps about six fp32 [BLOCK_T, slots] tiles live (logits, s, b, scratch);
-# the fused-gate kernel also holds its dot accumulator, so it gets half the per-thread share.
-def _tile_values_per_thread(problem, config) -> int:
+# Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep
+# several fp32 [BLOCK_T, slots] tiles live, and more than 32 values of each per thread spill
+# (block_t=8, one warp, 256 slots: 280 B). The gate's W tile [slots, BLOCK_D] passes through
+# registers on its way to the dot: more than 64 bf16 values per thread spill (512 x 64 on
+# 8 warps: 96 B; 256 x 128 on 4 warps: 4 KB). 16 warps cap ptxas at 128 registers and spill too.
+def _route_values_per_thread(problem, config) -> int:
     return config["block_t"] * slot_layout(problem.routing).slots // (32 * config["num_warps"])
+
+
+def _w_tile_values_per_thread(problem, config) -> int:
+    return slot_layout(problem.routing).slots * config["block_d"] // (32 * config["num_warps"])
 
 
 ROUTE_SPACE = Space(
     params={"block_t": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
-    constraints={"block_t x slots / threads <= 64 (registers)": lambda p, c: _tile_values_per_thread(p, c) <= 64},
+    limits={"block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32},
 )
 
 
 def route_default(problem) -> dict:
     """A warp per 128 slots (4 for 384 experts); rows per program grow with the token count, up to 8.
 
-    Under the interpreter every tl op costs ~0.1 ms whatever its size, so programs take 32 rows.
+    Under the interpreter every tl op costs about the same whatever its size: programs take 32 rows.
     """
     warps = max(1, min(8, slot_layout(problem.routing).slots // 128))
     if flashkern.triton_interpreted():
         return {"block_t": 32, "num_warps": 8}
     block_t = max(1, min(8, triton.next_power_of_2(max(1, problem.tokens // 1024))))
+    while block_t > 1 and _route_values_per_thread(problem, {"block_t": block_t, "num_warps": warps}) > 32:
+        block_t //= 2
     return {"block_t": block_t, "num_warps": warps}
-
-
-# The W tile [slots, BLOCK_D] bf16 is staged in shared memory once per pipeline stage.
-def _fits_shared(problem, config) -> bool:
-    return config["num_stages"] * 2 * config["block_d"] * (slot_layout(problem.routing).slots + config["block_t"]) <= 200 * 1024
 
 
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
-    constraints={
-        "block_t x slots / threads <= 32 (registers; 64-row tiles spill ~4 KB)":
-            lambda p, c: _tile_values_per_thread(p, c) <= 32,
-        "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)": _fits_shared,
+    limits={
+        "block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32,
+        "slots x block_d / threads <= 64 (registers: the W tile)": lambda p, c: _w_tile_values_per_thread(p, c) <= 64,
+        "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)":
+            lambda p, c: c["num_stages"] * 2 * c["block_d"] * (slot_layout(p.routing).slots + c["block_t"]) <= 200 * 1024,
     },
 )
 
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles, 64-wide K steps, double-buffered, 8 warps (4 warps spill at 256 slots)."""
-    return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2}
+    """16-row MMA tiles on 8 warps; block_d keeps the W tile at 64 values per thread; three stages.
+
+    Under the interpreter, where each loop step costs the same whatever its size, block_d is 128.
+    """
+    if flashkern.triton_interpreted():
+        return {"block_t": 16, "block_d": 128, "num_warps": 8, "num_stages": 1}
+    block_d = max(32, min(128, 64 * 256 // slot_layout(problem.routing).slots))
+    return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3}

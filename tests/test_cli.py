@@ -1,0 +1,59 @@
+"""The command line: list, bench and compile-check as a user runs them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashkern import registry
+from flashkern.cli import main
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flashkern", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_list_shows_every_operator_and_where_it_runs():
+    proc = run_cli("list")
+    assert proc.returncode == 0, proc.stderr
+    for name in registry.operators():
+        assert name in proc.stdout
+    assert "Triton interpreter" in proc.stdout and "TileLang C target" in proc.stdout
+
+
+def test_bench_prints_a_table_per_operator_and_checks_outputs(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "moe_route", "--budget", "0.01", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    problems = registry.get("moe_route").presets["smoke"]
+    assert len(rows) == 3 * len(problems)  # reference, triton, tilelang per shape
+    assert all(r["status"] in ("ok", "reference") and r["median_s"] > 0 for r in rows)
+    assert problems[0].key in proc.stdout
+
+
+def test_bench_and_compile_check_refuse_unknown_names():
+    with pytest.raises(SystemExit, match="unknown operator 'nope'"):
+        main(["bench", "nope"])
+    with pytest.raises(SystemExit, match="has no preset 'huge'"):
+        main(["compile-check", "moe_route", "--preset", "huge"])
+
+
+def test_compile_check_command_exits_zero_and_writes_json(tmp_path):
+    out = tmp_path / "builds.json"
+    proc = run_cli("compile-check", "moe_route", "--sample", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert rows and all(r["ok"] or r["skipped"] for r in rows)
+    assert "sm_90a build check" in proc.stdout
+
+
+def test_ci_runs_the_readme_test_command():
+    """The README's quick-start test line is exactly what CI runs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    commands = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("python3 -m venv")]
+    assert len(commands) == 2 and commands[1].endswith("python -m pytest")
+    assert commands[1] in (root / ".ci" / "run").read_text().splitlines()

@@ -1,0 +1,86 @@
+"""The operator registry, dispatch and device handling, for every registered operator."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashkern
+import flashkern.ops
+from flashkern import device as devices
+from flashkern import registry
+from flashkern.dispatch import auto_choice, resolve
+
+OPERATORS = sorted(registry.operators().values(), key=lambda op: op.name)
+
+
+def test_every_operator_is_an_op_entry_with_presets_and_both_dsls():
+    for op in OPERATORS:
+        assert getattr(flashkern.ops, op.name) is op.entry
+        assert {impl.name for impl in op.implementations} == {"triton", "tilelang"}
+        assert {"smoke"} <= set(op.presets) and all(op.presets.values())
+    assert set(dir(flashkern.ops)) == {op.name for op in OPERATORS}
+
+
+def test_unknown_operator_is_a_clear_error():
+    with pytest.raises(AttributeError, match="no operator 'mystery'"):
+        flashkern.ops.mystery
+    with pytest.raises(KeyError, match="unknown operator 'mystery'"):
+        registry.get("mystery")
+
+
+@pytest.mark.parametrize("op", OPERATORS, ids=lambda op: op.name)
+def test_default_configs_satisfy_their_spaces(op):
+    """For every preset problem, each default config is a valid point of its tuning space on this device.
+
+    (The GPU defaults against the GPU limits are checked by test_compile_check, which builds them.)
+    """
+    target = devices.info().kind
+    for problems in op.presets.values():
+        for problem in problems:
+            for impl in op.implementations:
+                config = impl.default_config(problem)
+                assert not impl.space.violations(problem, config, target), (problem.key, impl.name, config)
+                impl.space.check(problem, config, target)
+
+
+@pytest.mark.parametrize("op", OPERATORS, ids=lambda op: op.name)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([1, 3, 17, 1000]))
+def test_made_inputs_pass_the_checks_and_shapes_scale(op, seed, scale):
+    """The input maker makes what the entry accepts, with the problem it was asked for."""
+    problem = op.presets["smoke"][seed % len(op.presets["smoke"])]
+    problem = type(problem)(**{**problem.__dict__, "tokens": scale})
+    inputs = op.make_inputs(problem, "cpu", seed)
+    assert op.check(inputs) == problem
+    assert op.cost(problem).bytes > 0 and op.cost(problem).flops > 0
+
+
+def test_interpreter_is_on_without_a_gpu():
+    assert flashkern.triton_interpreted() == (not torch.cuda.is_available())
+
+
+def test_auto_rule_on_this_machine():
+    info = devices.info()
+    for op in OPERATORS:
+        choice = auto_choice(op, info)
+        if info.kind == "cpu":
+            assert choice is None  # the reference: both kernel paths are correctness paths on CPU
+        else:
+            assert choice is not None and choice.name == "triton"
+
+
+def test_device_identity_is_stable_and_names_the_hardware():
+    info = devices.info("cpu")
+    assert info.kind == "cpu" and info.key.startswith("cpu:") and info.name
+    assert devices.info("cpu") is info
+    with pytest.raises(ValueError, match="unsupported device type 'meta'"):
+        devices.info("meta")
+
+
+def test_unavailable_backend_is_refused_with_the_reason():
+    op = registry.get("moe_route")
+    problem = op.presets["smoke"][0]
+    old_gpu = devices.DeviceInfo(kind="cuda", name="Old GPU", capability=(7, 0), sm_count=80)
+    for impl in op.implementations:
+        with pytest.raises(RuntimeError, match=f"backend='{impl.name}' cannot run on Old GPU"):
+            resolve(op, problem, old_gpu, impl.name, None)
