@@ -43,6 +43,14 @@ def _route_macro(problem, rows: int, fl: Flavour):
         return (n // WP) * EG + n % WP
 
     @T.macro
+    def argmax(keys, scratch, width, best, picked):
+        """best = row max of keys[rows, width]; picked = the lowest index holding it (as fp32)."""
+        T.reduce_max(keys, best, dim=1)
+        for i, n in fl.parallel(rows, width):
+            scratch[i, n] = T.if_then_else(keys[i, n] == best[i], T.Cast("float32", n), NO_SLOT)
+        T.reduce_min(scratch, picked, dim=1)
+
+    @T.macro
     def route(x, row0, n_rows, Bias, Valid, Weights, Ids):
         s = fl.fragment((rows, NP), "float32")
         b = fl.fragment((rows, NP), "float32")
@@ -101,10 +109,7 @@ def _route_macro(problem, rows: int, fl: Flavour):
                 top1[i, g] = T.if_then_else(g < G, T.max(top1[i, g] + top2[i, g], LOWEST), NEG_INF)  # group score
                 keep[i, g] = 0.0
             for _ in T.unroll(TOPK_GROUP):
-                T.reduce_max(top1, per_row, dim=1)
-                for i, g in fl.parallel(rows, GP):
-                    top2[i, g] = T.if_then_else(top1[i, g] == per_row[i], T.Cast("float32", g), NO_SLOT)
-                T.reduce_min(top2, picked, dim=1)
+                argmax(top1, top2, GP, per_row, picked)
                 for i, g in fl.parallel(rows, GP):
                     if T.Cast("float32", g) == picked[i]:
                         keep[i, g] = 1.0
@@ -119,10 +124,7 @@ def _route_macro(problem, rows: int, fl: Flavour):
             w_sel[i, k] = 0.0
             slot_sel[i, k] = 0.0
         for rnd in T.unroll(K):
-            T.reduce_max(b, per_row, dim=1)
-            for i, n in fl.parallel(rows, NP):
-                scratch[i, n] = T.if_then_else(b[i, n] == per_row[i], T.Cast("float32", n), NO_SLOT)
-            T.reduce_min(scratch, picked, dim=1)
+            argmax(b, scratch, NP, per_row, picked)
             for i, n in fl.parallel(rows, NP):
                 scratch[i, n] = T.if_then_else(T.Cast("float32", n) == picked[i], s[i, n], 0.0)
             T.reduce_sum(scratch, per_row, dim=1)

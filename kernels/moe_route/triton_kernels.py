@@ -168,41 +168,37 @@ def _routing_constexprs(problem) -> dict:
                 SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
 
 
-def _valid_bytes(valid):
-    return None if valid is None else valid.view(torch.uint8)
+def _routing_args(problem, inputs, config, device):
+    """Outputs and the arguments both kernels share: bias, row mask, outputs, sizes, routing constants."""
+    weights, ids = empty_outputs(problem, device)
+    valid = inputs["valid"]
+    args = dict(bias_ptr=inputs["bias"], valid_ptr=None if valid is None else valid.view(torch.uint8),
+                w_ptr=weights, id_ptr=ids, T=problem.tokens, scale=float(problem.routing.scaling_factor),
+                BLOCK_T=config["block_t"], **_routing_constexprs(problem))
+    return args, (weights, ids)
 
 
 def plan_route(problem, inputs, config):
     logits = inputs["logits"]
-    weights, ids = empty_outputs(problem, logits.device)
-    launch = Launch(
-        moe_route_kernel,
-        grid=(triton.cdiv(problem.tokens, config["block_t"]),),
-        args=dict(logits_ptr=logits, stride_t=logits.stride(0), bias_ptr=inputs["bias"],
-                  valid_ptr=_valid_bytes(inputs["valid"]), w_ptr=weights, id_ptr=ids, T=problem.tokens,
-                  scale=float(problem.routing.scaling_factor), BLOCK_T=config["block_t"],
-                  **_routing_constexprs(problem)),
-        num_warps=config["num_warps"],
-    )
-    return launch, (weights, ids)
+    args, outputs = _routing_args(problem, inputs, config, logits.device)
+    launch = Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, config["block_t"]),),
+                    args=dict(logits_ptr=logits, stride_t=logits.stride(0), **args), num_warps=config["num_warps"])
+    return launch, outputs
 
 
 def plan_route_gate(problem, inputs, config):
     hidden = inputs["hidden"]
-    weights, ids = empty_outputs(problem, hidden.device)
+    args, outputs = _routing_args(problem, inputs, config, hidden.device)
     launch = Launch(
         moe_route_gate_kernel,
         grid=(triton.cdiv(problem.tokens, config["block_t"]),),
         args=dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
-                  norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), bias_ptr=inputs["bias"],
-                  valid_ptr=_valid_bytes(inputs["valid"]), w_ptr=weights, id_ptr=ids, T=problem.tokens,
-                  D=problem.hidden, scale=float(problem.routing.scaling_factor), BLOCK_T=config["block_t"],
-                  BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(),
-                  **_routing_constexprs(problem)),
+                  norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), D=problem.hidden,
+                  BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(), **args),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
-    return launch, (weights, ids)
+    return launch, outputs
 
 
 # Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep
