@@ -200,7 +200,7 @@ def _check(inputs, weights, ids):
 
 
 @pytest.mark.parametrize("corruption", ["swap_in_unselected", "duplicate_id", "weight_off", "padding_row",
-                                        "wrong_group", "out_of_range", "unnormalized"])
+                                        "wrong_group", "out_of_range", "unnormalized", "one_group_short"])
 def test_oracle_rejects_wrong_routing(corruption):
     inputs, (weights, ids) = _reference_case()
     _check(inputs, weights, ids)  # the reference itself passes
@@ -224,6 +224,8 @@ def test_oracle_rejects_wrong_routing(corruption):
         ids[row, 0] = 256
     elif corruption == "unnormalized":
         weights[row] *= 1.01
+    elif corruption == "one_group_short":  # route every row among only topk_group - 1 = 3 groups
+        weights, ids = ref.moe_route(**{**inputs, "topk_group": 3})
     with pytest.raises(AssertionError):
         _check(inputs, weights, ids)
 

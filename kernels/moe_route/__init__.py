@@ -122,9 +122,10 @@ def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tens
 
     Invalid rows: ids -1 and weights 0, exactly. Valid rows: ids distinct and in range; every
     chosen expert lies in a group that may be among the topk_group best (group scores within
-    key_tol of the cut count as tied); the chosen keys are >= every other key in the groups the
-    selection must have kept (ties within key_tol pass); weights equal the reference formula
-    applied to the chosen ids (atol/rtol).
+    key_tol of the worst kept group count as tied); the chosen keys are >= every other key in
+    the groups the selection must have kept: those beating the best droppable group, and those
+    it used (ties within key_tol pass); weights equal the reference formula applied to the
+    chosen ids (atol/rtol).
     """
     tokens, experts = logits.shape
     k, n_group, topk_group = inputs["top_k"], inputs["n_group"], inputs["topk_group"]
@@ -151,9 +152,11 @@ def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tens
     must_keep = torch.ones(rows, experts, dtype=torch.bool)
     if n_group > 1:
         gscore = ref.group_scores(b, n_group)
-        cut = gscore.topk(topk_group, dim=1).values[:, -1:]
-        surely = ~near(cut, gscore)  # strictly above the cut: every correct selection keeps these groups
-        possible = near(gscore, cut)
+        ranked = gscore.sort(dim=1, descending=True).values
+        worst_kept = ranked[:, topk_group - 1 : topk_group]
+        best_dropped = ranked[:, topk_group : topk_group + 1] if topk_group < n_group else torch.full_like(worst_kept, -torch.inf)
+        surely = ~near(best_dropped, gscore)  # beats every group a correct selection may drop: always kept
+        possible = near(gscore, worst_kept)  # ties with the worst kept group: may be kept
         used = chosen.view(rows, n_group, -1).any(dim=2)
         outside = (used & ~possible).any(dim=1)
         assert not outside.any(), f"rows {torch.nonzero(outside).flatten().tolist()[:8]} chose experts outside the top groups"
