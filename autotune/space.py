@@ -5,7 +5,8 @@ whether the config may run that problem; each has a description, so a pruned con
   constraints: hold on every target (shape rules);
   limits:      resource models of a GPU target (registers, shared memory), checked on CUDA
                only; the CPU paths (TileLang's C, Triton's interpreter) have no such limits.
-Configs are plain dicts.
+gpu_only names parameters that change nothing on a CPU target (threads, pipeline stages);
+a CPU sweep pins them. Configs are plain dicts.
 """
 
 from __future__ import annotations
@@ -23,22 +24,28 @@ class Space:
     params: dict[str, tuple]
     constraints: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
     limits: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
+    gpu_only: tuple[str, ...] = ()
 
     def violations(self, problem, config: Config, target: str = "cuda") -> list[str]:
         """Descriptions of the rules `config` breaks for `problem` on `target` ("cuda" or "cpu")."""
         rules = {**self.constraints, **(self.limits if target == "cuda" else {})}
         return [text for text, holds in rules.items() if not holds(problem, config)]
 
-    def configs(self, problem, target: str = "cuda") -> list[Config]:
-        """Every config of the space that may run `problem` on `target`."""
-        names = list(self.params)
-        every = (dict(zip(names, values)) for values in itertools.product(*self.params.values()))
+    def configs(self, problem, target: str = "cuda", pin: Config | None = None) -> list[Config]:
+        """Every config of the space that may run `problem` on `target`; `pin` fixes the gpu_only parameters."""
+        params = {name: (pin[name],) if pin is not None and name in self.gpu_only else values
+                  for name, values in self.params.items()}
+        every = (dict(zip(params, values)) for values in itertools.product(*params.values()))
         return [c for c in every if not self.violations(problem, c, target)]
+
+    @staticmethod
+    def sample_from(configs: list[Config], count: int, seed: int = 0) -> list[Config]:
+        """Up to `count` of `configs`, drawn reproducibly."""
+        return random.Random(seed).sample(configs, min(count, len(configs)))
 
     def sample(self, problem, count: int, seed: int = 0, target: str = "cuda") -> list[Config]:
         """Up to `count` distinct valid configs, drawn reproducibly."""
-        valid = self.configs(problem, target)
-        return random.Random(seed).sample(valid, min(count, len(valid)))
+        return self.sample_from(self.configs(problem, target), count, seed)
 
     def check(self, problem, config: Config, target: str = "cuda") -> None:
         """Raise ValueError naming `config` if it has unknown keys, off-space values or breaks a constraint."""

@@ -20,16 +20,19 @@ def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shap
     if value.dtype not in dtypes:
         wanted = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must be {wanted}, got {str(value.dtype).replace('torch.', '')}")
-    if value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+    sizes = value.shape
+    if len(sizes) != len(shape) or not all(want is None or got == want for got, want in zip(sizes, shape)):
         wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {wanted}, got {list(value.shape)}")
+        raise ValueError(f"{name} must have shape {wanted}, got {list(sizes)}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the other inputs are on {device}")
-    if value.dim() and value.shape[-1] > 1 and value.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous along its last dimension (stride {value.stride(-1)}); "
-                         f"pass {name}.contiguous()")
-    if value.dim() > 1 and value.shape[0] > 1 and value.stride(0) < value.shape[-1]:
-        raise ValueError(f"{name} has overlapping rows (row stride {value.stride(0)}); pass {name}.contiguous()")
+    if sizes and sizes[-1] > 1:
+        strides = value.stride()
+        if strides[-1] != 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension (stride {strides[-1]}); "
+                             f"pass {name}.contiguous()")
+        if len(sizes) > 1 and sizes[0] > 1 and strides[0] < sizes[-1]:
+            raise ValueError(f"{name} has overlapping rows (row stride {strides[0]}); pass {name}.contiguous()")
     return value
 
 
@@ -37,12 +40,13 @@ def optional_tensor(name: str, value, **expected) -> torch.Tensor | None:
     return None if value is None else tensor(name, value, **expected)
 
 
-def integer(name: str, value, *, low: int | None = None, high: int | None = None, why: str = "") -> int:
-    """An int in [low, high]; `why` explains the bound in the error."""
+def integer(name: str, value, *, low: int | None = None, high: int | None = None, why=None) -> int:
+    """An int in [low, high]; `why` (a string, or a callable giving one) explains the bound in the error."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"
+        why = why() if callable(why) else why
         raise ValueError(f"{name}={value} must be {bounds}{' (' + why + ')' if why else ''}")
     return value
 

@@ -3,6 +3,10 @@
   flashkern list                         operators, and which implementations run here (and why not)
   flashkern bench [OP ...] [--preset P]  time every backend at a preset's shapes (default: smoke)
   flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
+  flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
+  flashkern table OP                     what backend="auto" runs per shape here; --export / --import JSON
+  flashkern report OP                    per-shape comparison of the stored results, and a PNG plot
+  flashkern store info|quarantine        where the tuning store is and what it holds; move a broken one aside
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from rich.table import Table
 
 from flashkern import device as devices
 from flashkern import registry
+from flashkern.autotune.store import StoreError
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -38,7 +43,7 @@ def _preset(op_names: list[str], preset: str) -> str:
 
 
 def cmd_list(args) -> int:
-    from flashkern.dispatch import auto_choice
+    from flashkern.dispatch import rule_choice
 
     info = devices.info()
     console.print(f"device: {info.describe()}")
@@ -46,7 +51,7 @@ def cmd_list(args) -> int:
     for col in ("operator", "backend", "runs here", "how / why not"):
         table.add_column(col)
     for name, op in sorted(registry.operators().items()):
-        auto = auto_choice(op, info)
+        auto = rule_choice(op, info)
         table.add_row(name, "reference", "yes", f"PyTorch; {op.summary}" + ("  [auto]" if auto is None else ""))
         for impl in op.implementations:
             reason = impl.unavailable(info)
@@ -55,6 +60,7 @@ def cmd_list(args) -> int:
             table.add_row("", impl.name, "no" if reason else "yes", (reason or how) + mark)
         table.add_row("", "presets", "", ", ".join(f"{k} ({len(v)})" for k, v in op.presets.items()), end_section=True)
     console.print(table)
+    console.print("[auto] marks the default rule for untuned shapes; tuned shapes follow `flashkern table OP`.")
     return 0
 
 
@@ -150,6 +156,133 @@ def cmd_compile_check(args) -> int:
     return 0 if all(r.ok or r.skipped for r in results) else 1
 
 
+def _store(args):
+    from flashkern.autotune.store import Store
+
+    return Store(args.db)
+
+
+def _problems(op, args) -> list:
+    problems = list(op.presets[_preset([op.name], args.preset)])
+    if args.shapes:
+        specs = {}
+        for p in problems:
+            specs.setdefault(p.specialization(), p)
+        sizes = [tuple(int(n) for n in item.split("x")) for item in args.shapes.split(",")]
+        problems = [p.with_sizes(s) for p in specs.values() for s in sizes]
+    return problems
+
+
+def cmd_tune(args) -> int:
+    from flashkern.autotune.tuner import Tuner
+    from flashkern.dispatch import reload_tables
+
+    op = registry.get(_op_names([args.op])[0])
+    problems = _problems(op, args)
+    with _store(args) as store, Progress(TextColumn("{task.description}"), BarColumn(),
+                                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                         TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
+        task = progress.add_task(f"tuning {op.name}", total=None)
+
+        def report(total=None, advance=0, description=None):
+            progress.update(task, total=total, advance=advance, description=description or None)
+
+        tuner = Tuner(store, args.device, budget=args.budget, max_configs=args.max_configs, workers=args.jobs,
+                      seed=args.seed, progress=report)
+        summary = tuner.tune(op.name, problems)
+        console.print(f"store {store.path}: {summary.measured} new results, {summary.reused} reused, "
+                      f"{summary.built} builds, {summary.decided} new decisions")
+    reload_tables()
+    return cmd_table(args)
+
+
+def cmd_table(args) -> int:
+    from pathlib import Path
+
+    from flashkern.autotune import table as tables
+
+    op = registry.get(_op_names([args.op])[0])
+    info = devices.info(args.device)
+    with _store(args) as store:
+        if getattr(args, "import_file", None):
+            count = tables.import_json(store, Path(args.import_file).read_text())
+            console.print(f"imported {count} decisions into {store.path}")
+        current = tables.current_decisions(store, info.key, op.name)
+        stale = len(store.decisions(op.name, info.key)) - len(current)
+        if getattr(args, "export", None):
+            Path(args.export).write_text(tables.export_json(current, info.key))
+            console.print(f"exported {len(current)} decisions to {args.export}")
+    table = Table(title=f"{op.name}: backend='auto' on {info.describe()}", title_justify="left")
+    for col in ("shape", "backend", "config", "µs", "why"):
+        table.add_column(col, justify="right" if col == "µs" else "left")
+    for d in sorted(current, key=lambda d: (d.spec, d.sizes)):
+        table.add_row(d.shape, d.impl, d.config, _us(d.median), d.reason)
+    console.print(table)
+    console.print(f"untuned shapes: nearest tuned bucket of the same specialization, else the default rule"
+                  + (f"; {stale} stale decisions (other versions) ignored" if stale else ""))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from flashkern.autotune import report
+
+    op = registry.get(_op_names([args.op])[0])
+    info = devices.info(args.device)
+    with _store(args) as store:
+        shape_rows = report.rows(store, op, info.key)
+    if not shape_rows:
+        console.print(f"no current results for {op.name} on {info.describe()}: run `flashkern tune {op.name}` first")
+        return 1
+    bandwidth = info.mem_bandwidth
+    table = Table(title=f"{op.name} on {info.describe()}: best config per backend, µs per call"
+                  + (f" (% of the {bandwidth / 1e9:.0f} GB/s memory roofline)" if bandwidth else ""),
+                  title_justify="left")
+    table.add_column("shape")
+    table.add_column("moves", justify="right")
+    for backend in op.backends:
+        table.add_column(backend, justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("auto")
+    for row in shape_rows:
+        cells = []
+        for backend in op.backends:
+            r = row.best.get(backend)
+            roof = f" ({row.bytes / r.median / bandwidth:.0%})" if r and bandwidth else ""
+            cells.append(f"{_us(r.median)}{roof}" if r else "—")
+        ref, kernels = row.best.get("reference"), [r for b, r in row.best.items() if b != "reference"]
+        best = min(kernels, key=lambda r: r.median) if kernels else None
+        speedup = f"{best.key.impl} {ref.median / best.median:.2f}x" if best and ref else "—"
+        auto = row.decision.impl if row.decision else "—"
+        table.add_row(row.shape, _size(row.bytes), *cells, speedup, auto)
+    console.print(table)
+    failed = [r for row in shape_rows for r in row.failed]
+    for r in failed[:20]:
+        console.print(f"  [yellow]{r.status}[/yellow] {r.key.impl} {r.key.config} at {r.key.shape}: {r.reason}")
+    if len(failed) > 20:
+        console.print(f"  ... and {len(failed) - 20} more failed candidates")
+    path = args.plot or f"{op.name}-{info.kind}.png"
+    report.plot(shape_rows, op.backends, f"{op.name} on {info.describe()}", path)
+    console.print(f"plot: {path}")
+    return 0
+
+
+def cmd_store(args) -> int:
+    from flashkern.autotune import store as stores
+
+    path = stores.Path(args.db) if args.db else stores.default_path()
+    if args.action == "quarantine":
+        if not path.exists():
+            console.print(f"no store at {path}")
+            return 1
+        console.print(f"moved {path} aside to {stores.quarantine(path)}; the next tune starts a new store")
+        return 0
+    with stores.Store(path) as store:
+        results, decisions = store.results(), store.decisions()
+    devices_seen = sorted({r.key.device for r in results})
+    console.print(f"store: {path}\n{len(results)} results, {len(decisions)} decisions, devices: {devices_seen}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashkern", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,8 +307,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=cmd_compile_check)
 
+    def store_options(p):
+        p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+    p = sub.add_parser("tune", help="measure every implementation and config per shape into the store")
+    p.add_argument("op")
+    p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
+    p.add_argument("--shapes", default=None, help="explicit sizes for each specialization of the preset, "
+                   "comma-separated (e.g. 1,7,300; multi-dimensional as 64x128)")
+    p.add_argument("--budget", type=float, default=0.2, help="seconds of timing per candidate (default: 0.2)")
+    p.add_argument("--max-configs", type=int, default=24, help="configs per implementation and shape (0: all)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the config sample")
+    store_options(p)
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("table", help="what backend='auto' runs per shape on this device")
+    p.add_argument("op")
+    p.add_argument("--export", help="write this device's current decisions to a JSON file")
+    p.add_argument("--import", dest="import_file", help="store the decisions of an exported JSON table")
+    store_options(p)
+    p.set_defaults(func=cmd_table)
+
+    p = sub.add_parser("report", help="per-shape comparison of the stored results, and a PNG plot")
+    p.add_argument("op")
+    p.add_argument("--plot", default=None, help="PNG path (default: OP-DEVICE.png)")
+    store_options(p)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("store", help="the tuning store: info, or quarantine an unreadable one")
+    p.add_argument("action", choices=("info", "quarantine"))
+    p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
+    p.set_defaults(func=cmd_store)
+
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except StoreError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ dispatcher need, so none of them names an operator in code:
   Implementation: a Triton or TileLang kernel with its tuning space and default config.
 
 A *problem* is a frozen dataclass describing one call's shapes and static options
-(tokens, experts, ...). It has `key` (a readable shape key) and `specialization()` (what a
-compiled kernel depends on: everything but the sizes that are dynamic in the kernels).
+(tokens, experts, ...). It has `key` (a readable shape key), `sizes` (the sizes that vary per
+call and are dynamic in the kernels, e.g. the token count), `with_sizes(sizes)`, and
+`specialization()` (what a compiled kernel depends on: the problem without its sizes).
 
 Adding an operator family: a reference module, a kernels/<family>/ folder whose __init__
 defines OPERATORS, a test module, and one line in FAMILIES below.

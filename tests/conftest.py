@@ -1,4 +1,4 @@
-"""Hypothesis profiles: `ci` (fast, the default) and `thorough` (local runs).
+"""Hypothesis profiles: `ci` (fast, the default), `thorough` (local runs), `gpu` (scripts/gpu_check.sh).
 
 Select with FLASHKERN_HYPOTHESIS_PROFILE=thorough (or pytest --hypothesis-profile=thorough).
 """
@@ -19,6 +19,14 @@ settings.register_profile(
     "thorough",
     max_examples=200,
     deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(  # scripts/gpu_check.sh: every drawn specialization is a CUDA JIT compile
+    "gpu",
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )

@@ -46,3 +46,10 @@ def test_a_broken_build_is_reported_as_failed():
     job = compile_check.BuildJob("moe_route", "triton", op.presets["smoke"][0], {"block_t": 3, "num_warps": 4})
     (result,) = compile_check.run([job], workers=1)
     assert not result.ok and not result.skipped and "arange" in result.error
+
+
+def test_tilelang_builds_are_skipped_not_passed_without_nvcc(monkeypatch):
+    monkeypatch.setattr("flashkern.kernels._tilelang.nvcc_path", lambda: None)
+    op = registry.get("moe_route")
+    result = compile_check.build(compile_check.BuildJob("moe_route", "tilelang", op.presets["smoke"][0], None))
+    assert result.skipped and not result.ok and "nvcc" in result.error

@@ -13,6 +13,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flashkern.ops
+from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
 from flashkern.reference import moe_route as ref
@@ -72,7 +73,7 @@ def route_cases(draw, max_tokens: int = 3000, routing=None):
     valid = torch.rand(tokens, generator=gen) < 0.8 if has_valid else None
     logits, bias = fill_values(gen, tokens, routing.experts, mode, valid, has_bias)
     note(f"{routing} tokens={tokens} mode={mode} bias={has_bias} valid={has_valid}")
-    return dict(logits=logits, bias=bias, valid=valid, **routing.kwargs())
+    return on_device(dict(logits=logits, bias=bias, valid=valid, **routing.kwargs()))
 
 
 @st.composite
@@ -87,12 +88,12 @@ def gate_cases(draw):
     if valid is not None:
         h[~valid] = float("nan")  # padding rows of the hidden state hold garbage
     note(f"{routing} tokens={tokens} hidden={hidden} bias={has_bias} valid={has_valid} norm={has_norm}")
-    return dict(
+    return on_device(dict(
         hidden=h.to(torch.bfloat16),
         gate_weight=(torch.randn(routing.experts, hidden, generator=gen) / hidden**0.5).to(torch.bfloat16),
         bias=0.1 * torch.randn(routing.experts, generator=gen) if has_bias else None,
         norm_weight=(1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16) if has_norm else None,
-        norm_eps=1e-6, valid=valid, **routing.kwargs())
+        norm_eps=1e-6, valid=valid, **routing.kwargs()))
 
 
 def run_and_check(op, inputs, backend, config=None):
@@ -120,7 +121,7 @@ def test_sampled_configs_match_reference(op, backend, data):
     """Any config of the tuning space (not only the default) gives correct routing."""
     inputs = data.draw(route_cases(max_tokens=200) if op is MOE_ROUTE else gate_cases())
     impl = op.implementation(backend)
-    config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs), target="cpu")))
+    config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs), target=DEVICE.type)))
     note(f"config={config}")
     run_and_check(op, inputs, backend, config)
 
@@ -130,16 +131,16 @@ def test_sampled_configs_match_reference(op, backend, data):
 def test_model_presets_match_reference(backend, routing):
     """The model's own shapes, at a token count that spans several blocks and a padded tail."""
     problem = RouteProblem(tokens=1000, routing=routing, has_valid=True)
-    inputs = MOE_ROUTE.make_inputs(problem, "cpu", seed=3)
+    inputs = MOE_ROUTE.make_inputs(problem, DEVICE, seed=3)
     run_and_check(MOE_ROUTE, inputs, backend)
     gate = RouteProblem(tokens=50, routing=routing, has_valid=True, hidden=5120, has_norm=True)
-    run_and_check(MOE_ROUTE_GATE, MOE_ROUTE_GATE.make_inputs(gate, "cpu", seed=3), backend)
+    run_and_check(MOE_ROUTE_GATE, MOE_ROUTE_GATE.make_inputs(gate, DEVICE, seed=3), backend)
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
 def test_every_expert_tied(backend):
     """All keys equal: any k distinct experts are right; a knock-out bug would repeat one."""
-    inputs = dict(logits=torch.zeros(33, 64), bias=None, valid=None, **Routing(64, 8, "sigmoid", 4, 2).kwargs())
+    inputs = on_device(dict(logits=torch.zeros(33, 64), bias=None, valid=None, **Routing(64, 8, "sigmoid", 4, 2).kwargs()))
     weights, ids = run_and_check(MOE_ROUTE, inputs, backend)
     assert all(len(set(row)) == 8 for row in ids.tolist())
     torch.testing.assert_close(weights, torch.full_like(weights, 1 / 8))
@@ -153,8 +154,9 @@ def test_dominant_bias_decides_selection_not_weights(backend):
     chosen = torch.tensor([3, 77, 150, 200, 301, 383])
     bias = torch.zeros(384)
     bias[chosen] = 100.0
-    weights, ids = flashkern.ops.moe_route(logits, bias, top_k=6, score="sqrtsoftplus", scaling_factor=1.5,
-                                           backend=backend)
+    weights, ids = flashkern.ops.moe_route(logits.to(DEVICE), bias.to(DEVICE), top_k=6, score="sqrtsoftplus",
+                                           scaling_factor=1.5, backend=backend)
+    weights, ids = weights.cpu(), ids.cpu()
     assert (ids.sort(dim=1).values == chosen.int()).all()
     s = ref.scores(logits, "sqrtsoftplus")[:, chosen]
     expected = s / s.sum(dim=1, keepdim=True) * 1.5
@@ -167,7 +169,9 @@ def test_invalid_rows_with_nan_logits(backend):
     valid = torch.zeros(9, dtype=torch.bool)
     logits[4] = torch.randn(256)
     valid[4] = True
-    weights, ids = flashkern.ops.moe_route(logits, torch.zeros(256), valid=valid, backend=backend, **V3.kwargs())
+    weights, ids = flashkern.ops.moe_route(logits.to(DEVICE), torch.zeros(256, device=DEVICE), valid=valid.to(DEVICE),
+                                           backend=backend, **V3.kwargs())
+    weights, ids, valid = weights.cpu(), ids.cpu(), valid.cpu()
     assert (ids[valid == 0] == -1).all() and (weights[valid == 0] == 0).all()
     assert (ids[4] >= 0).all()
 
@@ -176,13 +180,13 @@ def test_invalid_rows_with_nan_logits(backend):
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
 def test_zero_tokens(op, backend):
     problem = RouteProblem(tokens=0, routing=V41_FLASH, hidden=64 if op is MOE_ROUTE_GATE else 0)
-    weights, ids = op.entry(**op.make_inputs(problem, "cpu"), backend=backend)
+    weights, ids = op.entry(**op.make_inputs(problem, DEVICE), backend=backend)
     assert weights.shape == (0, 6) and ids.shape == (0, 6) and ids.dtype == torch.int32
 
 
 @pytest.mark.parametrize("backend", KERNELS)
 def test_repeated_runs_are_bitwise_identical(backend):
-    inputs = MOE_ROUTE.make_inputs(RouteProblem(tokens=300, routing=V3, has_valid=True), "cpu", seed=1)
+    inputs = MOE_ROUTE.make_inputs(RouteProblem(tokens=300, routing=V3, has_valid=True), DEVICE, seed=1)
     first, second = (MOE_ROUTE.entry(**inputs, backend=backend) for _ in range(2))
     assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
@@ -234,8 +238,8 @@ def test_oracle_rejects_wrong_routing(corruption):
 
 
 def _good_route_args():
-    return dict(logits=torch.randn(5, 64), bias=torch.zeros(64), top_k=4, score="sigmoid", n_group=8, topk_group=2,
-                valid=torch.ones(5, dtype=torch.bool))
+    return on_device(dict(logits=torch.randn(5, 64), bias=torch.zeros(64), top_k=4, score="sigmoid", n_group=8,
+                          topk_group=2, valid=torch.ones(5, dtype=torch.bool)))
 
 
 BAD_ROUTE_ARGS = [
@@ -245,7 +249,7 @@ BAD_ROUTE_ARGS = [
     (dict(logits=[[0.0] * 64] * 5), TypeError, "logits must be a torch.Tensor"),
     (dict(bias=torch.zeros(63)), ValueError, "bias must have shape [64]"),
     (dict(bias=torch.zeros(64, dtype=torch.float64)), TypeError, "bias must be float32"),
-    (dict(bias=torch.zeros(64, device="meta")), ValueError, "bias is on meta"),
+    (dict(bias=torch.zeros(64, device="meta")), ValueError, "bias is on meta"),  # on_device leaves meta tensors
     (dict(valid=torch.ones(5)), TypeError, "valid must be bool"),
     (dict(valid=torch.ones(4, dtype=torch.bool)), ValueError, "valid must have shape [5]"),
     (dict(top_k=65, n_group=1, topk_group=1), ValueError, "top_k=65"),
@@ -270,7 +274,7 @@ def test_bad_route_arguments_are_named_before_launch(monkeypatch, changes, error
     for impl in MOE_ROUTE.implementations:  # a launch would fail the test instead of raising the named error
         monkeypatch.setattr(type(impl.kernel), "run", lambda *a: pytest.fail("a kernel ran despite bad input"))
     with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
-        flashkern.ops.moe_route(**{**_good_route_args(), **changes})
+        flashkern.ops.moe_route(**{**_good_route_args(), **on_device(changes)})
 
 
 BAD_GATE_ARGS = [
@@ -285,7 +289,7 @@ BAD_GATE_ARGS = [
 
 @pytest.mark.parametrize("changes, error, message", BAD_GATE_ARGS, ids=[m for _, _, m in BAD_GATE_ARGS])
 def test_bad_gate_arguments_are_named(changes, error, message):
-    args = dict(hidden=torch.randn(5, 32).bfloat16(), gate_weight=torch.randn(64, 32).bfloat16(),
-                norm_weight=torch.ones(32).bfloat16(), top_k=4, score="sigmoid", n_group=8, topk_group=2)
+    args = on_device(dict(hidden=torch.randn(5, 32).bfloat16(), gate_weight=torch.randn(64, 32).bfloat16(),
+                          norm_weight=torch.ones(32).bfloat16(), top_k=4, score="sigmoid", n_group=8, topk_group=2))
     with pytest.raises(error, match=message):
-        flashkern.ops.moe_route_gate(**{**args, **changes})
+        flashkern.ops.moe_route_gate(**{**args, **on_device(changes)})

@@ -116,6 +116,12 @@ def lower_sm90(prim_func, pass_configs: dict | None = None):
 
 
 @functools.lru_cache(maxsize=None)
+def c_compiler() -> str | None:
+    """The C compiler TileLang's C target needs, or None."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=None)
 def nvcc_path() -> str | None:
     """The CUDA compiler, or None where it is absent (sm_90a builds are then skipped)."""
     return shutil.which("nvcc") or next(
@@ -187,7 +193,7 @@ class TileLangKernel:
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""
         if device.kind == "cpu":
-            return None if shutil.which("cc") or shutil.which("gcc") else "no C compiler for TileLang's C target"
+            return None if c_compiler() else "no C compiler for TileLang's C target"
         if device.capability < self.min_capability:
             return f"needs compute capability {self.min_capability[0]}.{self.min_capability[1]}+"
         return None

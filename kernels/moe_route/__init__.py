@@ -27,15 +27,16 @@ from flashkern.registry import Cost, Implementation, Operator
 
 def _check_routing(inputs: dict, experts: int) -> Routing:
     checks.choice("score", inputs["score"], ref.SCORES)
-    n_group = checks.integer("n_group", inputs["n_group"], low=1, high=experts, why=f"{experts} experts")
+    n_group = checks.integer("n_group", inputs["n_group"], low=1, high=experts, why=lambda: f"{experts} experts")
     if experts % n_group:
         raise ValueError(f"n_group={n_group} does not divide the {experts} experts")
     if n_group > 1 and experts // n_group < 2:
         raise ValueError(f"n_group={n_group} leaves one expert per group; a group's score needs two")
-    topk_group = checks.integer("topk_group", inputs["topk_group"], low=1, high=n_group, why=f"n_group={n_group}")
+    topk_group = checks.integer("topk_group", inputs["topk_group"], low=1, high=n_group,
+                                why=lambda: f"n_group={n_group}")
     eligible = topk_group * (experts // n_group)
-    why = f"{experts} experts" if n_group == 1 else f"{eligible} experts in {topk_group} of {n_group} groups"
-    top_k = checks.integer("top_k", inputs["top_k"], low=1, high=eligible, why=why)
+    top_k = checks.integer("top_k", inputs["top_k"], low=1, high=eligible, why=lambda: (
+        f"{experts} experts" if n_group == 1 else f"{eligible} experts in {topk_group} of {n_group} groups"))
     return Routing(experts=experts, top_k=top_k, score=inputs["score"], n_group=n_group, topk_group=topk_group,
                    renormalize=checks.flag("renormalize", inputs["renormalize"]),
                    scaling_factor=checks.real("scaling_factor", inputs["scaling_factor"]))

@@ -49,8 +49,19 @@ class RouteProblem:
         parts += [name for name, on in (("bias", self.has_bias), ("valid", self.has_valid)) if on]
         return " ".join(parts)
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes that vary per call (kernels take them at run time); tuning tables bucket on them."""
+        return (self.tokens,)
+
+    def with_sizes(self, sizes) -> "RouteProblem":
+        (tokens,) = sizes  # built directly: dataclasses.replace costs microseconds on the dispatch path
+        return RouteProblem(tokens, self.routing, self.has_bias, self.has_valid, self.hidden, self.has_norm,
+                            self.norm_eps)
+
     def specialization(self) -> "RouteProblem":
-        return dataclasses.replace(self, tokens=0)  # kernels take the token count at run time
+        """Everything a compiled kernel depends on: the problem without its sizes."""
+        return self.with_sizes((0,))
 
 
 def empty_outputs(problem: RouteProblem, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -291,6 +291,7 @@ def _route_values(problem, rows: int, threads: int) -> int:
 
 ROUTE_SPACE = Space(
     params={"block_t": (1, 2, 4, 8), "threads": (32, 64, 128, 256)},
+    gpu_only=("threads",),
     limits={
         "4 x block_t x slots / threads <= 128 (registers)":
             lambda p, c: _route_values(p, c["block_t"], c["threads"]) <= 128,
@@ -311,6 +312,7 @@ def _gate_shared_bytes(problem, config) -> int:
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64), "route_rows": (1, 2, 4), "block_d": (32, 64, 128), "threads": (128, 256),
             "num_stages": (1, 2, 3)},
+    gpu_only=("threads", "num_stages"),
     limits={
         "4 x route_rows x slots / threads + block_t x experts / threads <= 128 (registers)":
             lambda p, c: _route_values(p, c["route_rows"], c["threads"])

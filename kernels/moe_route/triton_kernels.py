@@ -216,6 +216,7 @@ def _w_tile_values_per_thread(problem, config) -> int:
 
 ROUTE_SPACE = Space(
     params={"block_t": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
+    gpu_only=("num_warps",),
     limits={"block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32},
 )
 
@@ -236,6 +237,7 @@ def route_default(problem) -> dict:
 
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+    gpu_only=("num_warps", "num_stages"),
     limits={
         "block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32,
         "slots x block_d / threads <= 64 (registers: the W tile)": lambda p, c: _w_tile_values_per_thread(p, c) <= 64,

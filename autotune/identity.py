@@ -1,0 +1,77 @@
+"""What a tuning result depends on besides its config: versions, kernel sources, dtypes.
+
+The source hash of an implementation covers the module that defines its kernel and, transitively,
+every flashkern.kernels module it uses (problem layout, the DSL's shared helpers, the codecs), so
+editing any of them makes earlier results stale. The reference is hashed from its own module.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import sys
+import types
+
+import torch
+
+import flashkern
+
+_KERNELS = "flashkern.kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def library_versions() -> dict[str, str]:
+    import tilelang
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "tilelang": tilelang.__version__,
+            "flashkern": flashkern.__version__}
+
+
+def _module_closure(name: str) -> list[str]:
+    """`name` and every flashkern.kernels module it reaches through its globals."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in sys.modules:
+            continue
+        seen.add(current)
+        for value in vars(sys.modules[current]).values():
+            owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            if isinstance(owner, str) and owner.startswith(_KERNELS):
+                todo.append(owner)
+    return sorted(seen)
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash(module_name: str) -> str:
+    digest = hashlib.sha256()
+    for name in _module_closure(module_name):
+        digest.update(name.encode())
+        digest.update(inspect.getsource(sys.modules[name]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _entry_module(op, impl_name: str) -> str:
+    if impl_name == "reference":
+        return op.reference.__module__
+    kernel = op.implementation(impl_name).kernel
+    return (getattr(kernel, "plan", None) or kernel.program).__module__
+
+
+def versions(op, impl_name: str) -> str:
+    """Canonical JSON of the library versions and the source hash of one implementation (or the reference)."""
+    return json.dumps({**library_versions(), "source": source_hash(_entry_module(op, impl_name))}, sort_keys=True)
+
+
+def op_versions(op) -> str:
+    """The versions of every candidate of `op`: a decision is current only while all of them are."""
+    sources = {name: source_hash(_entry_module(op, name)) for name in op.backends}
+    return json.dumps({**library_versions(), "sources": sources}, sort_keys=True)
+
+
+def dtypes(inputs: dict) -> str:
+    """The dtypes of the tensor inputs, by argument name."""
+    return ",".join(f"{k}={str(v.dtype).replace('torch.', '')}" for k, v in inputs.items() if isinstance(v, torch.Tensor))

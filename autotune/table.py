@@ -1,0 +1,94 @@
+"""Per-device dispatch tables: what backend="auto" runs for each shape, built once from the store.
+
+A table holds, per (operator, specialization), the tuned winners by size bucket (each size
+rounded up to a power of two). A lookup takes the exact bucket, else the nearest bucket (the
+smallest sum of |log2| distances over the sizes), else nothing: the caller then uses its
+default rule. Only decisions for this device and the current versions of every candidate are
+loaded; stale ones stay in the store, unused. Tables export to and import from JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+
+from flashkern.autotune import identity
+from flashkern.autotune import store as st
+
+FORMAT = "flashkern-table-1"
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_key(specialization) -> str:
+    """The store's spelling of a problem's specialization (cached: lookups run on every auto call)."""
+    return repr(specialization)
+
+
+def bucket(sizes) -> tuple[int, ...]:
+    """Each size rounded up to a power of two (0 stays 0)."""
+    return tuple(0 if s <= 0 else 1 << (s - 1).bit_length() for s in sizes)
+
+
+def _distance(a, b) -> float:
+    return sum(abs(math.log2(max(x, 1)) - math.log2(max(y, 1))) for x, y in zip(a, b))
+
+
+@dataclass(frozen=True)
+class Entry:
+    impl: str
+    config: dict
+    decision: st.Decision
+
+
+class Table:
+    def __init__(self, decisions: list[st.Decision] = ()):
+        self._entries: dict[tuple[str, str], dict[tuple[int, ...], Entry]] = {}
+        for d in sorted(decisions, key=lambda d: d.created):  # later decisions win a shared bucket
+            by_bucket = self._entries.setdefault((d.op, d.spec), {})
+            by_bucket[bucket(d.sizes)] = Entry(d.impl, json.loads(d.config), d)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+    def lookup(self, op_name: str, problem) -> Entry | None:
+        """The tuned choice for `problem`: exact bucket, else nearest bucket, else None."""
+        by_bucket = self._entries.get((op_name, spec_key(problem.specialization())))
+        if not by_bucket:
+            return None
+        wanted = bucket(problem.sizes)
+        hit = by_bucket.get(wanted)
+        if hit is not None:
+            return hit
+        return by_bucket[min(by_bucket, key=lambda b: _distance(b, wanted))]
+
+    def decisions(self) -> list[st.Decision]:
+        return [e.decision for v in self._entries.values() for e in v.values()]
+
+
+def current_decisions(store: st.Store, device_key: str, op_name: str | None = None) -> list[st.Decision]:
+    """Decisions for this device whose competitors all have the versions running now."""
+    from flashkern import registry
+
+    wanted = {name: identity.op_versions(op) for name, op in registry.operators().items()}
+    return [d for d in store.decisions(op_name, device_key) if wanted.get(d.op) == d.versions]
+
+
+def from_store(store: st.Store, device_key: str) -> Table:
+    return Table(current_decisions(store, device_key))
+
+
+def export_json(decisions: list[st.Decision], device_key: str) -> str:
+    return json.dumps({"format": FORMAT, "device": device_key,
+                       "entries": [{**d.__dict__, "sizes": list(d.sizes)} for d in decisions]}, indent=1)
+
+
+def import_json(store: st.Store, text: str) -> int:
+    """Store the decisions of an exported table (they apply where device and versions match); returns how many."""
+    data = json.loads(text)
+    if data.get("format") != FORMAT:
+        raise ValueError(f"not a flashkern table (format {data.get('format')!r}, expected {FORMAT!r})")
+    for entry in data["entries"]:
+        store.decide(st.Decision(**{**entry, "sizes": tuple(entry["sizes"])}))
+    return len(data["entries"])
