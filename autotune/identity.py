@@ -21,7 +21,7 @@ import flashkern
 _KERNELS = "flashkern.kernels"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library_versions() -> dict[str, str]:
     import tilelang
     import triton
@@ -45,7 +45,7 @@ def _module_closure(name: str) -> list[str]:
     return sorted(seen)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_hash(module_name: str) -> str:
     digest = hashlib.sha256()
     for name in _module_closure(module_name):

@@ -22,6 +22,12 @@ class ShapeRow:
     decision: st.Decision | None
 
 
+def stale_count(store: st.Store, op, device_key: str) -> int:
+    """Results for this device measured with other versions (kept, not shown or used)."""
+    current = {name: identity.versions(op, name) for name in op.backends}
+    return sum(current.get(r.key.impl) != r.key.versions for r in store.results(op.name, device_key))
+
+
 def rows(store: st.Store, op, device_key: str) -> list[ShapeRow]:
     """One row per shape with current results, ordered by specialization then sizes."""
     current = {name: identity.versions(op, name) for name in op.backends}
@@ -42,24 +48,36 @@ def rows(store: st.Store, op, device_key: str) -> list[ShapeRow]:
     return sorted(out, key=lambda row: (row.spec, row.sizes))
 
 
+def _common_words(shapes: list[str]) -> str:
+    words = shapes[0].split()
+    return " ".join(w for w in words if all(w in s.split() for s in shapes))
+
+
 def plot(shape_rows: list[ShapeRow], backends, title: str, path: str) -> None:
-    """Time per backend per shape (log scale) as a PNG."""
+    """Time per backend against size, one panel per specialization (log-log), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shape_rows) + 2), 4.5))
-    for backend, marker in zip(backends, "os^vD"):
-        xs = [i for i, row in enumerate(shape_rows) if backend in row.best]
-        ax.plot(xs, [shape_rows[i].best[backend].median * 1e6 for i in xs], marker=marker, label=backend)
-    ax.set_yscale("log")
-    ax.set_ylabel("time per call (µs, best config)")
-    ax.set_xticks(range(len(shape_rows)))
-    ax.set_xticklabels([row.shape.replace(" ", "\n", 3) for row in shape_rows], fontsize=7)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    groups: dict[str, list[ShapeRow]] = {}
+    for row in shape_rows:
+        groups.setdefault(row.spec, []).append(row)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, rows_ in zip(axes[0], groups.values()):
+        shared = _common_words([r.shape for r in rows_])
+        for backend, marker in zip(backends, "os^vD"):
+            points = [(r.sizes[0], r.best[backend].median * 1e6) for r in rows_ if backend in r.best]
+            if points:
+                ax.plot(*zip(*points), marker=marker, label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(" ".join(w for w in rows_[0].shape.split() if w not in shared.split()).split("=")[0] or "size")
+        ax.set_ylabel("µs per call (best config)")
+        ax.set_title(shared, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -20,12 +20,6 @@ from flashkern.autotune import store as st
 FORMAT = "flashkern-table-1"
 
 
-@functools.lru_cache(maxsize=4096)
-def spec_key(specialization) -> str:
-    """The store's spelling of a problem's specialization (cached: lookups run on every auto call)."""
-    return repr(specialization)
-
-
 def bucket(sizes) -> tuple[int, ...]:
     """Each size rounded up to a power of two (0 stays 0)."""
     return tuple(0 if s <= 0 else 1 << (s - 1).bit_length() for s in sizes)
@@ -48,13 +42,15 @@ class Table:
         for d in sorted(decisions, key=lambda d: d.created):  # later decisions win a shared bucket
             by_bucket = self._entries.setdefault((d.op, d.spec), {})
             by_bucket[bucket(d.sizes)] = Entry(d.impl, json.loads(d.config), d)
+        # the table never changes after construction: remember answers per (op, problem), one hash per call
+        self.lookup = functools.lru_cache(maxsize=8192)(self._lookup)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._entries.values())
 
-    def lookup(self, op_name: str, problem) -> Entry | None:
+    def _lookup(self, op_name: str, problem) -> Entry | None:
         """The tuned choice for `problem`: exact bucket, else nearest bucket, else None."""
-        by_bucket = self._entries.get((op_name, spec_key(problem.specialization())))
+        by_bucket = self._entries.get((op_name, repr(problem.specialization())))
         if not by_bucket:
             return None
         wanted = bucket(problem.sizes)

@@ -1,7 +1,8 @@
 """Timing one call: CUDA events with a cold L2 on GPUs, wall-clock medians on CPUs.
 
-The first call is a warm-up (it may compile). Repetitions fit a time budget, between
-min_reps and max_reps, and the median is the figure to quote; min and max show the spread.
+The first call is a warm-up (it may compile); the second, timed, sizes the repetitions to fit a
+time budget, between min_reps and max_reps. The median is the figure to quote; min and max
+show the spread.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ def measure(fn, device, *, budget: float = 1.0, min_reps: int = 1, max_reps: int
     """Time fn() on `device` (a torch.device or str)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    start = time.perf_counter()
     fn()  # warm-up: compilation, caches
     if cuda:
         torch.cuda.synchronize(device)
-    first = max(time.perf_counter() - start, 1e-7)
-    reps = int(min(max_reps, max(min_reps, budget / first)))
-    times = []
-    for _ in range(reps):
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    probe = max(time.perf_counter() - start, 1e-7)
+    times = [] if cuda else [probe]  # on CUDA the probe ran with a warm L2: not a sample
+    reps = int(min(max_reps, max(min_reps, budget / probe)))
+    for _ in range(reps - len(times)):
         if cuda:
             _flush_l2(device)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -30,8 +30,9 @@ class BenchRow:
         return self.bytes / self.timing.median / 1e9 if self.timing else None
 
 
-def bench(op_names, preset: str = "smoke", device: str | None = None, budget: float = 0.5, on_row=None):
-    """Rows for every (problem, backend) of each operator's preset."""
+def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5, backends=None, on_row=None):
+    """Rows for every (problem, backend) of each operator; problems_of(op) gives its problems,
+    backends (default: all) limits which are timed."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     info = devices.info(device)
     rows = []
@@ -43,13 +44,16 @@ def bench(op_names, preset: str = "smoke", device: str | None = None, budget: fl
 
     for name in op_names:
         op = registry.get(name)
-        for problem in op.presets[preset]:
+        for problem in problems_of(op):
             moved = op.cost(problem).bytes
             inputs = op.make_inputs(problem, device, seed=0)
             expected = op.reference(**inputs)
             emit(BenchRow(name, problem, "reference", measure(lambda: op.reference(**inputs), device, budget=budget),
                           moved, "reference"))
             for impl in op.implementations:
+                if backends is not None and impl.name not in backends:
+                    emit(BenchRow(name, problem, impl.name, None, moved, "not asked for"))
+                    continue
                 reason = impl.unavailable(info)
                 if reason:
                     emit(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))

@@ -81,10 +81,11 @@ def cmd_bench(args) -> int:
     names = _op_names(args.ops)
     preset = _preset(names, args.preset)
     info = devices.info(args.device)
+    backends = args.backends.split(",") if args.backends else None
     console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs (GB/s of the bytes "
                   "the operator must move); * = Triton interpreter, a correctness path")
     with console.status("timing..."):
-        rows = bench(names, preset, args.device, budget=args.budget)
+        rows = bench(names, lambda op: _problems(op, args), args.device, budget=args.budget, backends=backends)
     failed = False
     for name in names:
         op = registry.get(name)
@@ -94,7 +95,7 @@ def cmd_bench(args) -> int:
         for backend in op.backends:
             table.add_column(backend, justify="right")
         table.add_column("best vs reference", justify="right")
-        for problem in op.presets[preset]:
+        for problem in _problems(op, args):
             cells = {r.backend: r for r in rows if r.op == name and r.problem == problem}
             ref_time = cells["reference"].timing.median
             row = [problem.key, _size(cells["reference"].bytes)]
@@ -163,6 +164,7 @@ def _store(args):
 
 
 def _problems(op, args) -> list:
+    """The preset's problems, or with --shapes, those sizes for each of the preset's specializations."""
     problems = list(op.presets[_preset([op.name], args.preset)])
     if args.shapes:
         specs = {}
@@ -218,7 +220,7 @@ def cmd_table(args) -> int:
     for d in sorted(current, key=lambda d: (d.spec, d.sizes)):
         table.add_row(d.shape, d.impl, d.config, _us(d.median), d.reason)
     console.print(table)
-    console.print(f"untuned shapes: nearest tuned bucket of the same specialization, else the default rule"
+    console.print("untuned shapes: nearest tuned bucket of the same specialization, else the default rule"
                   + (f"; {stale} stale decisions (other versions) ignored" if stale else ""))
     return 0
 
@@ -230,6 +232,9 @@ def cmd_report(args) -> int:
     info = devices.info(args.device)
     with _store(args) as store:
         shape_rows = report.rows(store, op, info.key)
+        stale = report.stale_count(store, op, info.key)
+    if stale:
+        console.print(f"{stale} results measured with other versions of the code or libraries are kept but ignored")
     if not shape_rows:
         console.print(f"no current results for {op.name} on {info.describe()}: run `flashkern tune {op.name}` first")
         return 1
@@ -294,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ops", nargs="*", help="operators (default: all)")
     p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--shapes", default=None, help="explicit sizes for each specialization of the preset, "
+                   "comma-separated (e.g. 1,7,300; multi-dimensional as 64x128)")
+    p.add_argument("--backends", default=None, help="kernels to time besides the reference, comma-separated")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per cell (default: 0.3)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(func=cmd_bench)

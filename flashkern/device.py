@@ -85,7 +85,7 @@ def _driver_attributes(ordinal: int) -> dict[str, int]:
         return {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_info(ordinal: int) -> DeviceInfo:
     props = torch.cuda.get_device_properties(ordinal)
     attrs = _driver_attributes(ordinal)
@@ -103,7 +103,7 @@ def _cuda_info(ordinal: int) -> DeviceInfo:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_info() -> DeviceInfo:
     return DeviceInfo(kind="cpu", name=cpu_model())
 

@@ -79,7 +79,7 @@ class Operator:
         return ("reference", *(impl.name for impl in self.implementations))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def operators() -> dict[str, Operator]:
     """Every registered operator by name (imports the kernel families on first use)."""
     found: dict[str, Operator] = {}

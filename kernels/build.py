@@ -21,7 +21,7 @@ class BuildReport:
     threads: int = 0  # per block
     wgmma: bool = False  # Hopper warpgroup MMA present in the generated code
 
-    def with_(self, **changes) -> "BuildReport":
+    def with_(self, **changes) -> BuildReport:
         return dataclasses.replace(self, **changes)
 
     @property

@@ -115,13 +115,13 @@ def lower_sm90(prim_func, pass_configs: dict | None = None):
     return artifact.kernel_source, smem, threads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def c_compiler() -> str | None:
     """The C compiler TileLang's C target needs, or None."""
     return shutil.which("cc") or shutil.which("gcc")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvcc_path() -> str | None:
     """The CUDA compiler, or None where it is absent (sm_90a builds are then skipped)."""
     return shutil.which("nvcc") or next(

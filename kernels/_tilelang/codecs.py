@@ -161,7 +161,7 @@ def codec_prim_func(fmt: str, direction: str, parallel=T.serial, block: int = 25
     return codec
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def codec_kernel(fmt: str, direction: str):
     """Compiled CPU codec kernel: call as kernel(x, y) with 1-D torch CPU tensors (see codec_prim_func)."""
     from flashkern.kernels._tilelang import compile_cpu  # that package imports this module

@@ -54,12 +54,12 @@ class RouteProblem:
         """The sizes that vary per call (kernels take them at run time); tuning tables bucket on them."""
         return (self.tokens,)
 
-    def with_sizes(self, sizes) -> "RouteProblem":
+    def with_sizes(self, sizes) -> RouteProblem:
         (tokens,) = sizes  # built directly: dataclasses.replace costs microseconds on the dispatch path
         return RouteProblem(tokens, self.routing, self.has_bias, self.has_valid, self.hidden, self.has_norm,
                             self.norm_eps)
 
-    def specialization(self) -> "RouteProblem":
+    def specialization(self) -> RouteProblem:
         """Everything a compiled kernel depends on: the problem without its sizes."""
         return self.with_sizes((0,))
 
