@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from flashkern.autotune import identity
 from flashkern.autotune import store as st
+from flashkern.autotune import table as tables
 
 
 @dataclass(frozen=True)
@@ -22,16 +23,20 @@ class ShapeRow:
     decision: st.Decision | None
 
 
+def _current_versions(op) -> dict[str, str]:
+    return {name: identity.versions(op, name) for name in op.backends}
+
+
 def stale_count(store: st.Store, op, device_key: str) -> int:
     """Results for this device measured with other versions (kept, not shown or used)."""
-    current = {name: identity.versions(op, name) for name in op.backends}
+    current = _current_versions(op)
     return sum(current.get(r.key.impl) != r.key.versions for r in store.results(op.name, device_key))
 
 
 def rows(store: st.Store, op, device_key: str) -> list[ShapeRow]:
     """One row per shape with current results, ordered by specialization then sizes."""
-    current = {name: identity.versions(op, name) for name in op.backends}
-    decisions = {d.shape: d for d in store.decisions(op.name, device_key) if d.versions == identity.op_versions(op)}
+    current = _current_versions(op)
+    decisions = {d.shape: d for d in tables.current_decisions(store, device_key, op.name)}
     shapes: dict[str, list[st.Result]] = {}
     for r in store.results(op.name, device_key):
         if current.get(r.key.impl) == r.key.versions:

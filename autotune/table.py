@@ -59,9 +59,6 @@ class Table:
             return hit
         return by_bucket[min(by_bucket, key=lambda b: _distance(b, wanted))]
 
-    def decisions(self) -> list[st.Decision]:
-        return [e.decision for v in self._entries.values() for e in v.values()]
-
 
 def current_decisions(store: st.Store, device_key: str, op_name: str | None = None) -> list[st.Decision]:
     """Decisions for this device whose competitors all have the versions running now."""

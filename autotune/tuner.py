@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,7 +57,6 @@ class Summary:
     reused: int = 0  # candidates found in the store
     built: int = 0  # kernels built in workers
     decided: int = 0  # new decisions
-    decisions: list = field(default_factory=list)
 
 
 def candidates(op, problem, info, max_configs: int, seed: int = 0) -> list[Candidate]:
@@ -99,7 +98,8 @@ def _build(op_name: str, impl_name: str, problem, config: dict, device: str):
             impl.kernel.compiled(problem, config, GPU if info.kind == "cuda" else CPU)
         return st.OK, "", report
     except Exception as exc:  # a failed build is a stored result, not a crash of the sweep
-        return st.BUILD_FAILED, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}", None
+        last_line = (str(exc).strip().splitlines() or [""])[-1]
+        return st.BUILD_FAILED, f"{type(exc).__name__}: {last_line[:300]}", None
 
 
 class Tuner:
@@ -112,7 +112,7 @@ class Tuner:
         self.max_configs = max_configs
         self.workers = workers or max(1, (os.cpu_count() or 2) - (1 if self.info.kind == "cuda" else 0))
         self.seed = seed
-        self.progress = progress  # callable(total_delta=..., advance=..., description=...)
+        self.progress = progress  # callable(total=..., advance=..., description=...)
 
     def _report(self, **kw):
         if self.progress:
@@ -147,9 +147,7 @@ class Tuner:
                     self.store.put(self._measure(op, problem, inputs, expected, cand, key))
                     summary.measured += 1
                 self._report(advance=1)
-            decision = self._decide(op, problem, inputs, dtypes, summary)
-            if decision:
-                summary.decisions.append(decision)
+            self._decide(op, problem, inputs, dtypes, summary)
             self._report(advance=1)
         return summary
 

@@ -30,40 +30,34 @@ class BenchRow:
         return self.bytes / self.timing.median / 1e9 if self.timing else None
 
 
-def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5, backends=None, on_row=None):
+def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5, backends=None):
     """Rows for every (problem, backend) of each operator; problems_of(op) gives its problems,
     backends (default: all) limits which are timed."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     info = devices.info(device)
     rows = []
-
-    def emit(row):
-        rows.append(row)
-        if on_row:
-            on_row(row)
-
     for name in op_names:
         op = registry.get(name)
         for problem in problems_of(op):
             moved = op.cost(problem).bytes
             inputs = op.make_inputs(problem, device, seed=0)
             expected = op.reference(**inputs)
-            emit(BenchRow(name, problem, "reference", measure(lambda: op.reference(**inputs), device, budget=budget),
+            rows.append(BenchRow(name, problem, "reference", measure(lambda: op.reference(**inputs), device, budget=budget),
                           moved, "reference"))
             for impl in op.implementations:
                 if backends is not None and impl.name not in backends:
-                    emit(BenchRow(name, problem, impl.name, None, moved, "not asked for"))
+                    rows.append(BenchRow(name, problem, impl.name, None, moved, "not asked for"))
                     continue
                 reason = impl.unavailable(info)
                 if reason:
-                    emit(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
+                    rows.append(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
                     continue
                 config = impl.default_config(problem)
                 try:
                     op.compare(inputs, expected, impl.run(problem, inputs, config))
                 except AssertionError as exc:
-                    emit(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
+                    rows.append(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
                     continue
                 timing = measure(lambda: impl.run(problem, inputs, config), device, budget=budget)
-                emit(BenchRow(name, problem, impl.name, timing, moved, "ok"))
+                rows.append(BenchRow(name, problem, impl.name, timing, moved, "ok"))
     return rows
