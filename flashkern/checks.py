@@ -70,3 +70,19 @@ def flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def values_in(name: str, value: torch.Tensor, low, high, *, why: str, allow=None) -> torch.Tensor:
+    """Every element of an integer tensor in [low, high] (bounds: ints or tensors broadcasting with it),
+    or equal to `allow`; the error names the first offender. Reads the data (a sync on GPU)."""
+    bad = (value < low) | (value > high)
+    if allow is not None:
+        bad &= value != allow
+    if bool(bad.any()):
+        at = tuple(int(i) for i in torch.nonzero(bad)[0])
+        shown = ", ".join(map(str, at))
+        bound = lambda b: b if isinstance(b, int) else int(b.broadcast_to(value.shape)[at])  # noqa: E731
+        also = f" or {allow}" if allow is not None else ""
+        raise ValueError(f"{name}[{shown}] = {int(value[at])} is out of range: must be in "
+                         f"[{bound(low)}, {bound(high)}]{also} ({why})")
+    return value

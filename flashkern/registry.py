@@ -27,6 +27,7 @@ from flashkern.autotune.space import Config, Space
 
 FAMILIES = (
     "moe_route",
+    "indexer",
 )
 
 

@@ -28,6 +28,14 @@ class BuildReport:
     def spills(self) -> int:
         return self.spill_stores + self.spill_loads
 
+    @staticmethod
+    def merge(reports) -> BuildReport:
+        """One report for the kernels of a multi-stage implementation: the largest figure of each kind."""
+        reports = list(reports)
+        fields = ("registers", "spill_stores", "spill_loads", "stack", "smem", "threads")
+        merged = {name: max(getattr(r, name) for r in reports) for name in fields}
+        return BuildReport(**merged, wgmma=any(r.wgmma for r in reports))
+
 
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

@@ -10,6 +10,7 @@ from flashkern import compile_check, registry
 from flashkern.kernels._tilelang import nvcc_path
 
 OPS = sorted(registry.operators())
+pytestmark = pytest.mark.xdist_group("sm90_builds")  # one worker builds them all, once
 
 
 @pytest.fixture(scope="module")

@@ -155,12 +155,18 @@ def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
     return report.with_(smem=report.smem + dyn_smem, threads=threads, wgmma="wgmma" in source)
 
 
+def _stages(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
 @dataclass(frozen=True, eq=False)
 class TileLangKernel:
     """A TileLang implementation from one source for both targets.
 
     program(problem, config, flavour) -> prim_func, with dynamic sizes for what varies per call;
     arguments(problem, inputs, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
+    A multi-stage implementation returns a tuple of prim_funcs and a tuple of argument lists (None
+    skips a stage); the stages run in order.
     gpu_pass_configs: TileLang pass options for the CUDA build (the same for JIT and the sm_90a check).
     Compiled kernels are cached per (problem.specialization(), config, target).
     """
@@ -171,24 +177,36 @@ class TileLangKernel:
     min_capability: tuple[int, int] = (8, 0)
     cpu_mode = "TileLang C target (compiled with -O2)"
     _compiled: dict = field(default_factory=dict, repr=False)
+    _by_source: dict = field(default_factory=dict, repr=False)
 
-    def compiled(self, problem, config, fl: Flavour):
+    def compiled(self, problem, config, fl: Flavour) -> tuple:
         key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu)
         if key not in self._compiled:
-            func = self.program(problem, config, fl)
-            self._compiled[key] = compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func)
+            self._compiled[key] = tuple(self._compile(func, fl) for func in _stages(self.program(problem, config, fl)))
         return self._compiled[key]
+
+    def _compile(self, func, fl: Flavour):
+        """One compiled kernel per distinct source: specializations that differ only in dynamic sizes share it."""
+        source = (func.script(), fl.on_gpu)
+        if source not in self._by_source:
+            self._by_source[source] = (compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func))
+        return self._by_source[source]
 
     def run(self, problem, inputs, config):
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
         fl = GPU if device.type == "cuda" else CPU
         args, outputs = self.arguments(problem, inputs, fl)
-        if args is not None:
-            self.compiled(problem, config, fl)(*args)
+        if args is None:
+            return outputs
+        kernels = self.compiled(problem, config, fl)
+        for kernel, stage_args in zip(kernels, (args,) if len(kernels) == 1 else args):
+            if stage_args is not None:
+                kernel(*stage_args)
         return outputs
 
     def build_sm90(self, problem, inputs, config) -> BuildReport:
-        return build_sm90(self.program(problem, config, GPU), self.gpu_pass_configs)
+        funcs = _stages(self.program(problem, config, GPU))
+        return BuildReport.merge(build_sm90(func, self.gpu_pass_configs) for func in funcs)
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""

@@ -119,23 +119,31 @@ def build_sm90(launch: Launch) -> BuildReport:
     )
 
 
+def _stages(launches) -> tuple[Launch, ...]:
+    return launches if isinstance(launches, tuple) else (launches,)
+
+
 @dataclass(frozen=True)
 class TritonKernel:
-    """A Triton implementation: `plan(problem, inputs, config) -> (Launch, outputs)` does the rest."""
+    """A Triton implementation: `plan(problem, inputs, config) -> (launches, outputs)` does the rest.
+
+    `launches` is one Launch, or a tuple of them run in order (a multi-stage implementation).
+    """
 
     plan: Any
     min_capability: tuple[int, int] = (8, 0)
     cpu_mode = "Triton interpreter (correct, not a speed contender)"
 
     def run(self, problem, inputs, config):
-        launch, outputs = self.plan(problem, inputs, config)
-        if all(n > 0 for n in launch.grid):
-            launch()
+        launches, outputs = self.plan(problem, inputs, config)
+        for launch in _stages(launches):
+            if all(n > 0 for n in launch.grid):
+                launch()
         return outputs
 
     def build_sm90(self, problem, inputs, config) -> BuildReport:
-        launch, _ = self.plan(problem, inputs, config)
-        return build_sm90(launch)
+        launches, _ = self.plan(problem, inputs, config)
+        return BuildReport.merge(build_sm90(launch) for launch in _stages(launches))
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""

@@ -1,0 +1,575 @@
+"""Sparse MQA scoring (the indexer) and top-k selection (SPECS.md section 2): operator records.
+
+  mqa_logits         dense ragged scoring: q [M, H, D], keys [N, D] -> logits [M, N] fp32
+  paged_mqa_logits   decode scoring over a paged key cache -> logits [B * next_n, max_blocks * block_size]
+  topk_indices       top-k positions per row of a logits matrix -> int32 [M, k]
+  candidate_blocks   V4.1 first level: the best n_blocks blocks of 8 positions -> int32 [M, n_blocks]
+  sparse_mqa_logits  V4.1 second level: scoring inside candidate blocks, top_k absolute positions
+
+Storage forms: FP8 (e4m3 with a fp32 scale per key) and MXFP4 (packed e2m1 with ue8m0 scales per
+32 values). The math, formats and selection rule are in flashkern.reference.indexer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkern import checks
+from flashkern.dispatch import call
+from flashkern.kernels._tilelang import TileLangKernel
+from flashkern.kernels._triton import TritonKernel
+from flashkern.kernels.indexer import tilelang_logits, tilelang_topk, triton_logits, triton_topk
+from flashkern.kernels.indexer.problem import (V41_INDEXER, CandidateProblem, Indexer, LogitsProblem,
+                                               PagedProblem, SparseProblem, TopkProblem)
+from flashkern.reference import indexer as ref
+from flashkern.registry import Cost, Implementation, Operator
+
+__all__ = ["CandidateProblem", "Indexer", "LogitsProblem", "PagedProblem", "SparseProblem", "TopkProblem",
+           "V41_INDEXER", "check_logits_result", "check_topk_result", "OPERATORS"]
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_qk(inputs: dict, q_lead: tuple, k_lead: tuple, k_name: str = "k") -> tuple[Indexer, torch.device]:
+    """Storage format, heads and dim from q; k, k_scale and q_scale must agree. Leads: the leading sizes."""
+    q = inputs["q"]
+    checks.tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), shape=(*q_lead, None, None))
+    device = q.device
+    fmt = "fp8" if q.dtype == torch.float8_e4m3fn else "mxfp4"
+    heads, stored = q.shape[-2:]
+    dim = stored if fmt == "fp8" else 2 * stored
+    q_lead = q.shape[:-2]
+    if heads == 0:
+        raise ValueError(f"q must have at least one head, got shape {list(q.shape)}")
+    if dim < 32 or dim > 512 or dim & (dim - 1):
+        raise ValueError(f"q: head dim {dim} is not supported (a power of two in [32, 512])")
+    if fmt == "fp8":
+        k = checks.tensor(k_name, inputs[k_name], dtype=torch.float8_e4m3fn, shape=(*k_lead, dim), device=device)
+        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.float32, shape=k.shape[:-1], device=device)
+        if inputs["q_scale"] is not None:
+            raise ValueError("q_scale is for MXFP4 queries; fold an FP8 query scale into w")
+    else:
+        blocks = dim // ref.MX_BLOCK
+        k = checks.tensor(k_name, inputs[k_name], dtype=torch.uint8, shape=(*k_lead, stored), device=device)
+        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.uint8, shape=(*k.shape[:-1], blocks), device=device)
+        if inputs["q_scale"] is None:
+            raise ValueError("q_scale is required for MXFP4 (uint8) queries: ue8m0 scales [..., H, D/32]")
+        checks.tensor("q_scale", inputs["q_scale"], dtype=torch.uint8, shape=(*q_lead, heads, blocks), device=device)
+    return Indexer(heads, dim, fmt), device
+
+
+def _check_ragged(inputs: dict, rows: int, keys: int, heads: int, device) -> None:
+    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(rows, heads), device=device)
+    ks = checks.tensor("ks", inputs["ks"], dtype=torch.int32, shape=(rows,), device=device)
+    ke = checks.tensor("ke", inputs["ke"], dtype=torch.int32, shape=(rows,), device=device)
+    checks.values_in("ks", ks, 0, keys, why=f"key positions of {keys} keys")
+    checks.values_in("ke", ke, ks, keys, why=f"ks <= ke <= {keys} keys")
+
+
+def check_mqa_logits(inputs: dict) -> LogitsProblem:
+    indexer, device = _check_qk(inputs, (None,), (None,))
+    rows, keys = inputs["q"].shape[0], inputs["k"].shape[0]
+    _check_ragged(inputs, rows, keys, indexer.heads, device)
+    return LogitsProblem(rows, keys, indexer)
+
+
+def check_paged(inputs: dict) -> PagedProblem:
+    indexer, device = _check_qk(inputs, (None, None), (None, None), k_name="k_cache")
+    batch, next_n = inputs["q"].shape[:2]
+    cache_blocks, block_size = inputs["k_cache"].shape[:2]
+    if next_n not in (1, 2):
+        raise ValueError(f"q must hold 1 or 2 query tokens per sequence (next_n), got {next_n}")
+    if block_size == 0:
+        raise ValueError("k_cache must have a nonzero block size")
+    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(batch * next_n, indexer.heads), device=device)
+    table = checks.tensor("block_table", inputs["block_table"], dtype=torch.int32, shape=(batch, None), device=device)
+    lens = checks.tensor("context_lens", inputs["context_lens"], dtype=torch.int32, shape=(batch,), device=device)
+    width = table.shape[1] * block_size
+    checks.values_in("context_lens", lens, 0, width, why=f"the block table addresses {width} positions")
+    used = torch.arange(table.shape[1], device=device) * block_size < lens[:, None]
+    checks.values_in("block_table", torch.where(used, table, 0), 0, cache_blocks - 1,
+                     why=f"cache block ids of {cache_blocks} blocks, for blocks within context_lens")
+    return PagedProblem(batch, table.shape[1], next_n, block_size, indexer)
+
+
+def _check_k(k, *, name: str = "k") -> int:
+    return checks.integer(name, k, low=1, high=1 << 16)
+
+
+def check_topk(inputs: dict) -> TopkProblem:
+    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    rows, positions = logits.shape
+    k = _check_k(inputs["k"])
+    ends = checks.tensor("ends", inputs["ends"], dtype=torch.int32, shape=(rows,), device=logits.device)
+    starts = checks.optional_tensor("starts", inputs["starts"], dtype=torch.int32, shape=(rows,), device=logits.device)
+    checks.values_in("ends", ends, 0, positions, why=f"logits has {positions} positions")
+    if starts is not None:
+        checks.values_in("starts", starts, 0, ends, why="0 <= starts <= ends")
+    return TopkProblem(rows, positions, k, starts is not None)
+
+
+def check_candidates(inputs: dict) -> CandidateProblem:
+    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    rows, positions = logits.shape
+    row_end = checks.tensor("row_end", inputs["row_end"], dtype=torch.int32, shape=(rows,), device=logits.device)
+    checks.values_in("row_end", row_end, 0, positions, why=f"logits has {positions} positions")
+    n_blocks = _check_k(inputs["n_blocks"], name="n_blocks")
+    block = checks.integer("block", inputs["block"], low=1, high=256)
+    return CandidateProblem(rows, positions, n_blocks, block)
+
+
+def check_sparse(inputs: dict) -> SparseProblem:
+    indexer, device = _check_qk(inputs, (None,), (None,))
+    rows, keys = inputs["q"].shape[0], inputs["k"].shape[0]
+    _check_ragged(inputs, rows, keys, indexer.heads, device)
+    block = checks.integer("block", inputs["block"], low=1, high=256)
+    top_k = _check_k(inputs["top_k"], name="top_k")
+    blocks = checks.tensor("blocks", inputs["blocks"], dtype=torch.int32, shape=(rows, None), device=device)
+    if blocks.shape[1] == 0:
+        raise ValueError("blocks must list at least one candidate block per row")
+    last = max(-(-keys // block) - 1, -1)
+    checks.values_in("blocks", blocks, 0, last, why=f"block ids of {keys} keys in blocks of {block}", allow=-1)
+    return SparseProblem(rows, keys, blocks.shape[1], block, top_k, indexer)
+
+
+# ---------------------------------------------------------------- realistic inputs
+
+
+def _queries_keys(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen: torch.Generator) -> tuple[dict, torch.Tensor]:
+    """Quantized q and k from N(0, 1) values, and w ~ N(0, 1/(H*D)) with the FP8 query scale folded in."""
+    h, d = indexer.heads, indexer.dim
+    q = torch.randn(*q_lead, h, d, generator=gen)
+    k = torch.randn(*k_lead, d, generator=gen)
+    w = torch.randn(*q_lead, h, generator=gen) / (h * d) ** 0.5
+    if indexer.fmt == "fp8":
+        q8, q_fold = ref.quantize_fp8_rows(q)
+        k8, k_scale = ref.quantize_fp8_rows(k)
+        return dict(q=q8, k=k8, k_scale=k_scale, q_scale=None), w * q_fold
+    (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
+    return dict(q=qp, k=kp, k_scale=k_scale, q_scale=q_scale), w
+
+
+def causal_ends(rows: int, keys: int) -> torch.Tensor:
+    """ke of a causal prefill chunk: the M rows are the last M positions of the N keys."""
+    return (torch.arange(rows) + keys - rows + 1).clamp(0, keys).int()
+
+
+def _to(inputs: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def make_logits_inputs(problem: LogitsProblem, device="cpu", seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    qk, w = _queries_keys(problem.indexer, (problem.rows,), (problem.keys,), gen)
+    ke = causal_ends(problem.rows, problem.keys)
+    return _to(dict(**qk, w=w, ks=torch.zeros_like(ke), ke=ke), device)
+
+
+def make_paged_inputs(problem: PagedProblem, device="cpu", seed: int = 0) -> dict:
+    """Full contexts but for a few short ones; each sequence's blocks scattered over a shared cache with spares."""
+    gen = torch.Generator().manual_seed(seed)
+    b, nb, bs = problem.batch, problem.max_blocks, problem.block_size
+    cache_blocks = b * nb + 3
+    qk, w = _queries_keys(problem.indexer, (b, problem.next_n), (cache_blocks, bs), gen)
+    qk["k_cache"] = qk.pop("k")
+    table = torch.randperm(cache_blocks, generator=gen)[: b * nb].view(b, nb).int()
+    lens = torch.full((b,), problem.width, dtype=torch.int32)
+    lens[1::3] = (problem.width * 2 // 3) + 1  # a ragged tail block
+    return _to(dict(**qk, w=w.flatten(0, 1), block_table=table, context_lens=lens.clamp(min=problem.next_n)), device)
+
+
+def _logits_like(rows: int, positions: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer-like logits (relu sums: non-negative, many near zero) and causal ends, -inf past the end."""
+    ends = causal_ends(rows, positions)
+    logits = torch.randn(rows, positions, generator=gen).relu() * 3
+    logits = logits.masked_fill(torch.arange(positions) >= ends[:, None], -torch.inf)
+    return logits, ends
+
+
+def make_topk_inputs(problem: TopkProblem, device="cpu", seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    logits, ends = _logits_like(problem.rows, problem.positions, gen)
+    starts = (ends // 4).int() if problem.has_starts else None
+    return _to(dict(logits=logits, ends=ends, k=problem.k, starts=starts), device)
+
+
+def make_candidate_inputs(problem: CandidateProblem, device="cpu", seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    logits, ends = _logits_like(problem.rows, problem.positions, gen)
+    return _to(dict(logits=logits, row_end=ends, n_blocks=problem.n_blocks, block=problem.block), device)
+
+
+def make_sparse_inputs(problem: SparseProblem, device="cpu", seed: int = 0) -> dict:
+    """Causal rows; each row's candidates: its newest block and random other visible blocks, ascending, -1 padded."""
+    gen = torch.Generator().manual_seed(seed)
+    qk, w = _queries_keys(problem.indexer, (problem.rows,), (problem.keys,), gen)
+    ke = causal_ends(problem.rows, problem.keys)
+    blocks = torch.full((problem.rows, problem.n_blocks), -1, dtype=torch.int32)
+    for m, end in enumerate(ke.tolist()):
+        visible = -(-end // problem.block)
+        if visible:
+            others = torch.randperm(visible - 1, generator=gen)[: problem.n_blocks - 1]
+            chosen = torch.cat((others, torch.tensor([visible - 1]))).sort().values
+            blocks[m, : len(chosen)] = chosen.int()
+    return _to(dict(**qk, w=w, ks=torch.zeros_like(ke), ke=ke, blocks=blocks, top_k=problem.top_k,
+                    block=problem.block), device)
+
+
+# ---------------------------------------------------------------- oracles
+
+
+def similarity_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per row, 1 - 2 * sum(x * y) / sum(x^2 + y^2) over the entries where both are finite (0 for empty rows)."""
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    x, y = torch.where(finite, x.double(), 0.0), torch.where(finite, y.double(), 0.0)
+    denominator = (x * x + y * y).sum(dim=-1)
+    return torch.where(denominator > 0, 1 - 2 * (x * y).sum(dim=-1) / denominator.clamp(min=1e-300), 0.0)
+
+
+def _first(bad: torch.Tensor) -> list:
+    """Up to 8 offending rows (a [rows] mask) or entries (a [rows, n] mask), for error messages."""
+    return torch.nonzero(bad).flatten().tolist()[:8] if bad.dim() == 1 else torch.nonzero(bad)[:8].tolist()
+
+
+def check_logits_result(expected: torch.Tensor, actual: torch.Tensor, max_diff: float = 5e-6,
+                        atol_of_row: float = 1e-4) -> None:
+    """Indexer logits agree: identical -inf masks, no NaN where the reference has none, per-row similarity
+    diff < max_diff (SPECS.md), and each entry within atol_of_row x the row's largest magnitude."""
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape, (actual.dtype, actual.shape)
+    expected, actual = expected.cpu(), actual.cpu()
+    mask_differs = (expected == -torch.inf) != (actual == -torch.inf)
+    assert not mask_differs.any(), f"-inf masks differ at {_first(mask_differs)}"
+    new_nan = torch.isnan(actual) & ~torch.isnan(expected)
+    assert not new_nan.any(), f"NaN where the reference is a number at {_first(new_nan)}"
+    diff = similarity_diff(expected, actual)
+    bad = diff >= max_diff
+    assert not bad.any(), f"rows {_first(bad)}: similarity diff {diff[bad][:4].tolist()} >= {max_diff}"
+    finite = torch.isfinite(expected)
+    scale = torch.where(finite, expected.abs(), 0.0).amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    err = torch.where(finite, (actual - expected).abs() / scale, 0.0)
+    bad = err > atol_of_row
+    assert not bad.any(), f"entries {_first(bad)} off by up to {err.max().item():.3g} of their row's scale"
+
+
+def check_topk_result(values: torch.Tensor, eligible: torch.Tensor, k: int, out: torch.Tensor,
+                      tol: float = 0.0) -> None:
+    """Property oracle of a top-k result (SPECS.md): the valid prefix has length min(#eligible, k), then -1;
+    indices are eligible and unique; min(selected) >= max(unselected eligible) in the rule's order (NaN lowest),
+    up to `tol` x the row's largest finite magnitude (for scores a kernel recomputes)."""
+    rows = values.shape[0]
+    assert out.dtype == torch.int32 and out.shape == (rows, k), (out.dtype, out.shape)
+    values, eligible, out = values.cpu(), eligible.cpu(), out.cpu().long()
+    count = eligible.sum(dim=1).clamp(max=k)
+    layout = torch.where(torch.arange(k) < count[:, None], out >= 0, out == -1).all(dim=1)
+    assert layout.all(), f"rows {_first(~layout)}: the valid prefix is not min(#eligible, k) long, then -1"
+    chosen, taken = out.clamp(min=0), out >= 0
+    in_range = torch.where(taken, out < values.shape[1], True).all(dim=1)
+    assert in_range.all(), f"indices out of range in rows {_first(~in_range)}"
+    allowed = torch.where(taken, eligible.gather(1, chosen), True).all(dim=1)
+    assert allowed.all(), f"ineligible positions chosen in rows {_first(~allowed)}"
+    hits = torch.zeros(eligible.shape, dtype=torch.long).scatter_add_(1, chosen, taken.long())
+    repeated = (hits > 1).any(dim=1)
+    assert not repeated.any(), f"repeated indices in rows {_first(repeated)}"
+    selected = hits > 0
+    key = ref.order_keys(values)
+    if tol:  # a kernel ranked its own rounding of these values: selected ones get a margin of tol x the row scale
+        scale = torch.where(torch.isfinite(values), values.abs(), 0.0).amax(dim=1, keepdim=True)
+        key = torch.where(selected, ref.order_keys(values + tol * scale), key)
+    lowest_selected = torch.where(selected, key, torch.iinfo(torch.int64).max).amin(dim=1)
+    best_other = torch.where(eligible & ~selected, key, torch.iinfo(torch.int64).min).amax(dim=1)
+    beaten = lowest_selected < best_other
+    assert not beaten.any(), f"rows {_first(beaten)}: an unselected value beats a selected one"
+
+
+def compare_logits(inputs: dict, expected, actual) -> None:
+    check_logits_result(expected, actual)
+
+
+def compare_topk(inputs: dict, expected, actual) -> None:
+    logits = inputs["logits"]
+    n = torch.arange(logits.shape[1], device=logits.device)
+    eligible = n < inputs["ends"][:, None]
+    if inputs["starts"] is not None:
+        eligible &= n >= inputs["starts"][:, None]
+    check_topk_result(logits, eligible, inputs["k"], actual)
+
+
+def compare_candidates(inputs: dict, expected, actual) -> None:
+    """The rule fixes the chosen set (maxima are exact; ties go to the lower block id): equal as sorted rows."""
+    assert actual.dtype == torch.int32 and actual.shape == expected.shape, (actual.dtype, actual.shape)
+    sort = lambda ids: torch.where(ids < 0, torch.iinfo(torch.int32).max, ids).sort(dim=1).values  # noqa: E731
+    differs = (sort(expected.cpu()) != sort(actual.cpu())).any(dim=1)
+    assert not differs.any(), f"rows {_first(differs)} choose other blocks"
+
+
+def compare_sparse(inputs: dict, expected, actual) -> None:
+    """Property oracle on the candidate slots, ranked by the reference's scores (kernels round differently)."""
+    positions, scores = ref.candidate_scores(**{name: inputs[name] for name in (
+        "q", "k", "k_scale", "w", "ks", "ke", "blocks", "block", "q_scale")})
+    positions, scores = positions.cpu(), scores.cpu()
+    assert actual.dtype == torch.int32 and actual.shape == (positions.shape[0], inputs["top_k"]), actual.shape
+    actual = actual.cpu()
+    # map absolute positions back to candidate slots (first match; a repeated position is caught as a repeat)
+    match = (actual[:, :, None] == positions[:, None, :]) & (actual[:, :, None] >= 0)
+    found = match.any(dim=2)
+    stray = (actual >= 0) & ~found
+    assert not stray.any(), f"rows {_first(stray.any(dim=1))} return positions outside their candidates"
+    slots = torch.where(found, match.int().argmax(dim=2), -1).int()
+    check_topk_result(scores, scores > -torch.inf, inputs["top_k"], slots, tol=1e-5)
+
+
+# ---------------------------------------------------------------- cost
+
+
+def _key_bytes(indexer: Indexer) -> int:
+    """Bytes of one stored key row with its scale: D + 4 (FP8) or D/2 + D/32 (MXFP4: 68 B at D = 128)."""
+    return indexer.dim + 4 if indexer.fmt == "fp8" else indexer.dim // 2 + indexer.dim // ref.MX_BLOCK
+
+
+def _query_bytes(indexer: Indexer) -> int:
+    """Bytes of one query row: H key-sized rows (their scale folded into w for FP8) and H fp32 weights."""
+    return indexer.heads * (_key_bytes(indexer) - (4 if indexer.fmt == "fp8" else 0) + 4)
+
+
+def logits_cost(p: LogitsProblem) -> Cost:
+    """Every pair scored (the causal inputs score about half; benchmarks count valid pairs)."""
+    return Cost(flops=2 * p.rows * p.keys * p.indexer.heads * p.indexer.dim,
+                bytes=p.rows * _query_bytes(p.indexer) + p.keys * _key_bytes(p.indexer) + 4 * p.rows * (p.keys + 2))
+
+
+def paged_cost(p: PagedProblem) -> Cost:
+    queries = p.batch * p.next_n
+    return Cost(flops=2 * queries * p.width * p.indexer.heads * p.indexer.dim,
+                bytes=queries * _query_bytes(p.indexer) + p.batch * p.width * _key_bytes(p.indexer)
+                + 4 * queries * p.width + 4 * p.batch * (p.max_blocks + 1))
+
+
+def topk_cost(p: TopkProblem) -> Cost:
+    """A few compares per value (one radix pass each); the logits read once, indices written once."""
+    return Cost(flops=5 * p.rows * p.positions, bytes=4 * p.rows * (p.positions + p.k + 2))
+
+
+def candidates_cost(p: CandidateProblem) -> Cost:
+    return Cost(flops=p.rows * (p.positions + 5 * p.blocks), bytes=4 * p.rows * (p.positions + p.n_blocks + 1))
+
+
+def sparse_cost(p: SparseProblem) -> Cost:
+    return Cost(flops=2 * p.rows * p.candidates * p.indexer.heads * p.indexer.dim + 5 * p.rows * p.candidates,
+                bytes=p.rows * (_query_bytes(p.indexer) + p.candidates * _key_bytes(p.indexer)
+                                + 4 * (p.n_blocks + p.top_k + 2)))
+
+
+# ---------------------------------------------------------------- presets
+
+CONTEXTS = (8192, 65536, 524288)  # the 8K / 64K / 512K context presets
+MXFP4_INDEXER = Indexer(32, 128, "mxfp4")
+
+
+def _per_format(make) -> dict:
+    return {"v41-flash": make(V41_INDEXER), "v41-flash-mxfp4": make(MXFP4_INDEXER)}
+
+
+LOGITS_PRESETS = {
+    "smoke": (LogitsProblem(5, 300, V41_INDEXER), LogitsProblem(3, 200, MXFP4_INDEXER)),
+    **_per_format(lambda ix: tuple(LogitsProblem(rows, n, ix) for n in CONTEXTS for rows in (1, 16))),
+}
+PAGED_PRESETS = {  # decode: contexts of 8K and 64K positions in 64-position cache blocks
+    "smoke": (PagedProblem(2, 5, 2, 64, V41_INDEXER), PagedProblem(2, 3, 1, 64, MXFP4_INDEXER)),
+    **_per_format(lambda ix: tuple(PagedProblem(b, n // 64, next_n, 64, ix)
+                                   for n in CONTEXTS[:2] for b in (1, 8) for next_n in (1, 2))),
+}
+TOPK_PRESETS = {
+    "smoke": (TopkProblem(4, 3000, 512),),
+    "v41-flash": tuple(TopkProblem(rows, n, 512) for n in CONTEXTS for rows in (1, 16)),
+    "k2048": tuple(TopkProblem(rows, n, 2048) for n in CONTEXTS for rows in (1, 16)),
+}
+CANDIDATE_PRESETS = {
+    "smoke": (CandidateProblem(3, 2000, 64, 8),),
+    "v41-flash": tuple(CandidateProblem(rows, n, 2048, 8) for n in CONTEXTS for rows in (1, 16)),
+}
+SPARSE_PRESETS = {
+    "smoke": (SparseProblem(3, 1000, 32, 8, 64, V41_INDEXER), SparseProblem(2, 700, 16, 8, 32, MXFP4_INDEXER)),
+    **_per_format(lambda ix: tuple(SparseProblem(rows, n, 2048, 8, 512, ix) for n in CONTEXTS for rows in (1, 16))),
+}
+
+
+# ---------------------------------------------------------------- sparse: scoring stage, then the top-k stage
+
+
+def _sparse_topk_problem(problem: SparseProblem) -> TopkProblem:
+    return TopkProblem(0, problem.candidates, problem.top_k)  # the stage's config depends on the specialization only
+
+
+def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict):
+    score, scores = triton_logits.plan_sparse_scores(problem, inputs, config)
+    select, out = triton_topk.topk_launch(scores, None, problem.top_k,
+                                          triton_topk.topk_default(_sparse_topk_problem(problem)),
+                                          drop_neg_inf=True, blocks=inputs["blocks"], block=problem.block)
+    return (score, select), out
+
+
+def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
+    topk_config = tilelang_topk.topk_default(_sparse_topk_problem(problem))
+    return (tilelang_logits.sparse_scores_program(problem, config, fl),
+            tilelang_topk.topk_stage_program(False, True, problem.block, topk_config, fl))
+
+
+def sparse_args_tilelang(problem: SparseProblem, inputs: dict, fl):
+    score_args, scores = tilelang_logits.sparse_scores_args(problem, inputs, fl)
+    select_args, out = tilelang_topk.topk_stage_args(scores, None, problem.top_k, fl, blocks=inputs["blocks"])
+    return (None if score_args is None else (score_args, select_args)), out
+
+
+# ---------------------------------------------------------------- entry points and records
+
+
+def mqa_logits(q, k, k_scale, w, ks, ke, *, q_scale=None, backend="auto", config=None):
+    """Dense ragged indexer logits: sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n] for ks[m] <= n < ke[m], else -inf.
+
+    Args:
+        q: [M, H, D] e4m3 (FP8; its per-token scale folded into w) or [M, H, D/2] uint8 (MXFP4 e2m1 pairs).
+        k: [N, D] e4m3 or [N, D/2] uint8.  k_scale: [N] fp32 (FP8) or [N, D/32] uint8 ue8m0 (MXFP4).
+        w: [M, H] fp32 head weights.  ks, ke: [M] int32 key ranges, 0 <= ks <= ke <= N.
+        q_scale: [M, H, D/32] uint8 ue8m0 for MXFP4 queries, else None.
+    Returns: logits [M, N] fp32.
+    """
+    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale)
+    return call(MQA_LOGITS, inputs, backend, config)
+
+
+def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, *, q_scale=None, backend="auto", config=None):
+    """Decode indexer logits over a paged key cache; token j of sequence b sees [0, context_lens[b] - next_n + j + 1).
+
+    Args:
+        q: [B, next_n, H, D] e4m3 or [B, next_n, H, D/2] uint8 (next_n 1 or 2).
+        k_cache: [blocks, block_size, D] e4m3 or [blocks, block_size, D/2] uint8.
+        k_scale: [blocks, block_size] fp32 or [blocks, block_size, D/32] uint8.
+        w: [B * next_n, H] fp32.  block_table: [B, max_blocks] int32.  context_lens: [B] int32.
+        q_scale: [B, next_n, H, D/32] uint8 for MXFP4, else None.
+    Returns: logits [B * next_n, max_blocks * block_size] fp32, -inf past each token's visible context.
+    """
+    inputs = dict(q=q, k_cache=k_cache, k_scale=k_scale, w=w, block_table=block_table, context_lens=context_lens,
+                  q_scale=q_scale)
+    return call(PAGED_MQA_LOGITS, inputs, backend, config)
+
+
+def topk_indices(logits, ends, k, *, starts=None, backend="auto", config=None):
+    """The k largest positions per row among [starts, ends) (NaN lowest, ties to the lower position).
+
+    Returns: int32 [M, k]: the chosen positions in ascending order, then -1 (min(ends - starts, k) valid).
+    """
+    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts), backend, config)
+
+
+def candidate_blocks(logits, row_end, n_blocks=2048, block=8, *, backend="auto", config=None):
+    """V4.1 first level: the n_blocks best blocks of `block` positions per row (block score = max over its positions
+    below row_end; the newest block is always kept; ties to the lower block id).
+
+    Returns: int32 [M, n_blocks] block ids in ascending order, then -1 (for blocks scoring -inf).
+    """
+    return call(CANDIDATE_BLOCKS, dict(logits=logits, row_end=row_end, n_blocks=n_blocks, block=block), backend, config)
+
+
+def sparse_mqa_logits(q, k, k_scale, w, ks, ke, blocks, *, top_k=512, block=8, q_scale=None, backend="auto",
+                      config=None):
+    """V4.1 second level: score only positions inside each row's candidate blocks (and [ks, ke)), keep the top_k.
+
+    Args: q, k, k_scale, w, ks, ke, q_scale as mqa_logits; blocks: [M, n_blocks] int32 candidate block ids
+    (-1 = none), e.g. from candidate_blocks; block: positions per block.
+    Returns: int32 [M, top_k] absolute positions (in candidate order), then -1.
+    """
+    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, blocks=blocks, top_k=top_k, block=block,
+                  q_scale=q_scale)
+    return call(SPARSE_MQA_LOGITS, inputs, backend, config)
+
+
+MQA_LOGITS = Operator(
+    name="mqa_logits",
+    summary="indexer logits, dense ragged (FP8 or MXFP4 keys)",
+    entry=mqa_logits,
+    reference=ref.mqa_logits,
+    implementations=(
+        Implementation("triton", TritonKernel(triton_logits.plan_mqa_logits), triton_logits.LOGITS_SPACE,
+                       triton_logits.logits_default),
+        Implementation("tilelang", TileLangKernel(tilelang_logits.logits_program, tilelang_logits.logits_args),
+                       tilelang_logits.LOGITS_SPACE, tilelang_logits.logits_default),
+    ),
+    check=check_mqa_logits,
+    make_inputs=make_logits_inputs,
+    compare=compare_logits,
+    cost=logits_cost,
+    presets=LOGITS_PRESETS,
+)
+
+PAGED_MQA_LOGITS = Operator(
+    name="paged_mqa_logits",
+    summary="indexer logits for decode over a paged key cache (next_n 1 or 2)",
+    entry=paged_mqa_logits,
+    reference=ref.paged_mqa_logits,
+    implementations=(
+        Implementation("triton", TritonKernel(triton_logits.plan_paged_mqa_logits), triton_logits.PAGED_SPACE,
+                       triton_logits.paged_default),
+        Implementation("tilelang", TileLangKernel(tilelang_logits.paged_program, tilelang_logits.paged_args),
+                       tilelang_logits.PAGED_SPACE, tilelang_logits.paged_default),
+    ),
+    check=check_paged,
+    make_inputs=make_paged_inputs,
+    compare=compare_logits,
+    cost=paged_cost,
+    presets=PAGED_PRESETS,
+)
+
+TOPK_INDICES = Operator(
+    name="topk_indices",
+    summary="top-k positions per row over [start, end), -1 padded",
+    entry=topk_indices,
+    reference=ref.topk_indices,
+    implementations=(
+        Implementation("triton", TritonKernel(triton_topk.plan_topk), triton_topk.TOPK_SPACE, triton_topk.topk_default),
+        Implementation("tilelang", TileLangKernel(tilelang_topk.topk_program, tilelang_topk.topk_args),
+                       tilelang_topk.TOPK_SPACE, tilelang_topk.topk_default),
+    ),
+    check=check_topk,
+    make_inputs=make_topk_inputs,
+    compare=compare_topk,
+    cost=topk_cost,
+    presets=TOPK_PRESETS,
+)
+
+CANDIDATE_BLOCKS = Operator(
+    name="candidate_blocks",
+    summary="V4.1 first level: top blocks by block maximum, newest block pinned",
+    entry=candidate_blocks,
+    reference=ref.candidate_blocks,
+    implementations=(
+        Implementation("triton", TritonKernel(triton_topk.plan_candidate_blocks), triton_topk.BLOCKS_SPACE,
+                       triton_topk.blocks_default),
+        Implementation("tilelang", TileLangKernel(tilelang_topk.blocks_program, tilelang_topk.blocks_args),
+                       tilelang_topk.BLOCKS_SPACE, tilelang_topk.blocks_default),
+    ),
+    check=check_candidates,
+    make_inputs=make_candidate_inputs,
+    compare=compare_candidates,
+    cost=candidates_cost,
+    presets=CANDIDATE_PRESETS,
+)
+
+SPARSE_MQA_LOGITS = Operator(
+    name="sparse_mqa_logits",
+    summary="V4.1 second level: scoring inside candidate blocks, top-k absolute positions",
+    entry=sparse_mqa_logits,
+    reference=ref.sparse_mqa_logits,
+    implementations=(
+        Implementation("triton", TritonKernel(plan_sparse_triton), triton_logits.SPARSE_SPACE,
+                       triton_logits.sparse_default),
+        Implementation("tilelang", TileLangKernel(sparse_program_tilelang, sparse_args_tilelang),
+                       tilelang_logits.SPARSE_SPACE, tilelang_logits.sparse_default),
+    ),
+    check=check_sparse,
+    make_inputs=make_sparse_inputs,
+    compare=compare_sparse,
+    cost=sparse_cost,
+    presets=SPARSE_PRESETS,
+)
+
+OPERATORS = (MQA_LOGITS, PAGED_MQA_LOGITS, TOPK_INDICES, CANDIDATE_BLOCKS, SPARSE_MQA_LOGITS)

@@ -1,0 +1,136 @@
+"""Problem descriptions of the indexer family: what one call's shapes and static options are.
+
+Sizes that vary per call (rows, key counts, batch) are dynamic in the kernels; everything else
+(heads, dim, storage format, k, block sizes) is part of a kernel's specialization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+FORMATS = ("fp8", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """The indexer of a model: heads x dim and the storage format of q and k."""
+
+    heads: int = 32
+    dim: int = 128
+    fmt: str = "fp8"  # "fp8": e4m3 with a fp32 scale per key; "mxfp4": packed e2m1 with ue8m0 scales per 32
+
+    @property
+    def key(self) -> str:
+        return f"H={self.heads} D={self.dim} {self.fmt}"
+
+    @property
+    def packed_dim(self) -> int:
+        """Stored elements per q head / key row: D e4m3 values or D/2 bytes of e2m1 pairs."""
+        return self.dim if self.fmt == "fp8" else self.dim // 2
+
+
+V41_INDEXER = Indexer(32, 128, "fp8")
+
+
+class SizedProblem:
+    """Mixin for frozen problem dataclasses: `SIZES` names the per-call sizes (dynamic in the kernels)."""
+
+    SIZES: ClassVar[tuple[str, ...]]
+
+    @property
+    def key(self) -> str:
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Indexer):
+                parts.append(value.key)
+            elif isinstance(value, bool):
+                parts += [f.name] if value else []
+            else:
+                parts.append(f"{f.name}={value}")
+        return " ".join(parts)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.SIZES)
+
+    def with_sizes(self, sizes):
+        return dataclasses.replace(self, **dict(zip(self.SIZES, sizes)))
+
+    def specialization(self):
+        """Everything a compiled kernel depends on: the problem without its sizes."""
+        return self.with_sizes((0,) * len(self.SIZES))
+
+
+@dataclass(frozen=True)
+class LogitsProblem(SizedProblem):
+    """mqa_logits: M query rows against N keys."""
+
+    rows: int
+    keys: int
+    indexer: Indexer = V41_INDEXER
+    SIZES: ClassVar = ("rows", "keys")
+
+
+@dataclass(frozen=True)
+class PagedProblem(SizedProblem):
+    """paged_mqa_logits: `batch` sequences of next_n query tokens; block tables of max_blocks cache blocks."""
+
+    batch: int
+    max_blocks: int
+    next_n: int = 1
+    block_size: int = 64
+    indexer: Indexer = V41_INDEXER
+    SIZES: ClassVar = ("batch", "max_blocks")
+
+    @property
+    def width(self) -> int:
+        """Output columns: every position a block table can address."""
+        return self.max_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class TopkProblem(SizedProblem):
+    """topk_indices: k of `positions` columns per row."""
+
+    rows: int
+    positions: int
+    k: int = 2048
+    has_starts: bool = False
+    SIZES: ClassVar = ("rows", "positions")
+
+
+@dataclass(frozen=True)
+class CandidateProblem(SizedProblem):
+    """candidate_blocks: n_blocks blocks of `block` positions per row of `positions` logits."""
+
+    rows: int
+    positions: int
+    n_blocks: int = 2048
+    block: int = 8
+    SIZES: ClassVar = ("rows", "positions")
+
+    @property
+    def blocks(self) -> int:
+        """Blocks per row: ceil(positions / block)."""
+        return -(-self.positions // self.block)
+
+
+@dataclass(frozen=True)
+class SparseProblem(SizedProblem):
+    """sparse_mqa_logits: M rows scored inside n_blocks candidate blocks of `block` keys each, top_k kept."""
+
+    rows: int
+    keys: int
+    n_blocks: int = 2048
+    block: int = 8
+    top_k: int = 512
+    indexer: Indexer = V41_INDEXER
+    SIZES: ClassVar = ("rows", "keys")
+
+    @property
+    def candidates(self) -> int:
+        """Candidate positions per row: n_blocks * block."""
+        return self.n_blocks * self.block

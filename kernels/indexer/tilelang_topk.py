@@ -1,0 +1,306 @@
+"""Top-k selection in TileLang: one source for CUDA and the CPU (C) target.
+
+The rule is reference.select_topk's: rank by value descending, NaN below every number, ties to
+the lower position; emit the chosen positions in ascending order, then -1 padding.
+
+Keys. Each fp32 value becomes an int32 key whose signed order is the rank order: the bits of a
+negative value have their low 31 bits flipped, NaN becomes INT_MIN (below -inf's key). Radix
+digits are taken from the key with its sign bit flipped (the unsigned form of the same order).
+
+Tile plan: one block per row, `threads` threads, the row walked in tiles of threads x items
+positions from its start to its end.
+  1. radix select (at most 4 passes of 8 bits): each pass histograms, into 256 bins, the digit
+     of every eligible key that matches the digits fixed so far (atomics on a shared
+     histogram: counts do not depend on their order); suffix sums over the bins (T.cumsum on
+     GPU, a loop on CPU) find the bin holding the k-th largest key, whose digit is fixed. The
+     first pass also counts the eligible keys: when there are at most k, all are taken. A pass
+     whose bin holds exactly the keys still wanted ends the search early.
+     The result: a threshold key `thr` and a budget: take keys > thr, and the first `budget`
+     keys == thr in position order.
+  2. gather: per tile, each thread counts the keys above thr and equal to thr among its
+     `items` consecutive positions (packed in one int32: above + 65536 x equal), an inclusive
+     scan over the threads gives every thread its output offset (T.cumsum on GPU, a serial
+     loop on CPU), and each thread writes its taken positions in ascending order.
+Variants: starts (the row is [start, end) instead of [0, end)), drop_neg_inf (keys of -inf and
+NaN are not eligible) and an index map for the sparse path (emitted c -> blocks[m, c // B] * B
++ c % B).
+candidate_blocks is two launches: block scores [M, ceil(N / block)] (a thread per block; a zero
+maximum stored as +0.0), then the top-k stage over them with drop_neg_inf.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
+import tilelang.language as T
+import torch
+
+from flashkern.autotune.space import Space
+from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem
+
+RADIX_BITS = 8
+BINS = 1 << RADIX_BITS
+PASSES = 32 // RADIX_BITS
+SIGN_BIT = -(2**31)  # int32 with only the sign bit set: the key of NaN, the lowest key
+INF_BITS = 0x7F800000  # bits of +inf; larger magnitudes are NaN
+NEG_INF_KEY = -(2**31) + 0x7FFFFF  # key of -inf: bits 0xFF800000 with the low 31 flipped
+EQUAL_UNIT = 1 << 16  # packed tile counts: above + EQUAL_UNIT x equal, each below 2^15
+
+
+def _key(value):
+    """int32 key of a fp32 value: signed order = rank order, NaN lowest (told by its bits: `x == x` folds to true)."""
+    bits = T.reinterpret(value, "int32")
+    return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
+
+
+def _inclusive_scan(fl: Flavour, size: int, reverse: bool):
+    """In-place inclusive prefix (suffix when reverse) sums of int32 [size]: T.cumsum on GPU, a loop on CPU."""
+
+    @T.macro
+    def scan(buf):
+        if fl.on_gpu:
+            T.cumsum(buf, dim=0, reverse=reverse)
+        elif reverse:
+            for i in T.serial(size - 1):
+                buf[size - 2 - i] = buf[size - 2 - i] + buf[size - 1 - i]
+        else:
+            for i in T.serial(size - 1):
+                buf[i + 1] = buf[i + 1] + buf[i]
+
+    return scan
+
+
+def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, config: dict, fl: Flavour):
+    """Top-k of values [M, W] over [starts, ends) per row -> out int32 [M, k] (see the module docstring).
+
+    k is dynamic like the sizes: one compiled kernel serves every k (k = 512 and 2048 alike).
+    """
+    threads, items = config["threads"], config["items"]
+    tile = threads * items
+    rows, width, mapped_blocks, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("NB"), T.dynamic("K")
+    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+
+    def eligible(key, also):
+        """`also` for an eligible key: keys of -inf and NaN are not eligible under drop_neg_inf."""
+        return (key > NEG_INF_KEY) & also if drop_neg_inf else also
+
+    def mapped(blocks, m, n):
+        """The index emitted for position n of row m."""
+        return blocks[m, n // map_block] * map_block + n % map_block if map_block else n
+
+    @T.prim_func
+    def topk_stage(
+        Values: T.Tensor((rows, width), "float32"),
+        Ends: T.Tensor((rows,), "int32"),
+        Starts: T.Tensor((rows if has_starts else 1,), "int32"),
+        Blocks: T.Tensor((rows, mapped_blocks) if map_block else (1, 1), "int32"),
+        Out: T.Tensor((rows, k), "int32"),
+    ):
+        with T.Kernel(rows, threads=threads) as m:
+            hist = fl.shared((BINS + 1,), "int32")  # digit counts (the last stays 0), then keys in the bins >= each
+            chosen = fl.shared((1,), "int32")  # the digit of the k-th largest key
+            counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
+            mine = fl.fragment((threads,), "int32")  # a thread's packed count
+            above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
+            equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
+
+            start = T.alloc_var("int32", Starts[m] if has_starts else 0)
+            end = T.alloc_var("int32", Ends[m])
+            tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
+            wanted = T.alloc_var("int32", k)  # keys still to take inside the current prefix
+            prefix = T.alloc_var("int32", 0)  # digits fixed so far (sign-flipped key bits) ...
+            fixed = T.alloc_var("int32", 0)  # ... and the mask of those bits
+            valid = T.alloc_var("int32", k)  # output length: min(#eligible, k)
+            thr = T.alloc_var("int32", SIGN_BIT)
+            budget = T.alloc_var("int32", k)
+            searching = T.alloc_var("int32", 1)
+            digit = T.alloc_var("int32", 0)
+            below = T.alloc_var("int32", 0)  # keys in the bins above the chosen digit's
+            in_bin = T.alloc_var("int32", 0)  # keys in the chosen digit's bin
+
+            # 1. radix select
+            for p in T.serial(PASSES):
+                if searching == 1:
+                    shift = 32 - RADIX_BITS * (p + 1)
+                    for b in fl.parallel(BINS + 1):
+                        hist[b] = 0
+                    for t in T.serial(tiles):
+                        for i in fl.parallel(tile):
+                            n = start + t * tile + i
+                            if n < end:
+                                key = _key(Values[m, n])
+                                if eligible(key, ((key ^ SIGN_BIT) & fixed) == prefix):
+                                    T.atomic_add(hist[((key ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
+                    suffix_sums(hist)
+                    for b in fl.parallel(BINS):  # the one bin where the count from the top reaches `wanted`
+                        if (hist[b] >= wanted) & (hist[b + 1] < wanted):
+                            chosen[0] = b
+                    if (p == 0) & (hist[0] <= k):  # at most k eligible keys: take them all
+                        valid = hist[0]
+                        searching = 0
+                    else:
+                        digit = chosen[0]
+                        below = hist[digit + 1]
+                        in_bin = hist[digit] - below
+                        wanted = wanted - below
+                        prefix = prefix | (digit << shift)
+                        fixed = fixed | ((BINS - 1) << shift)
+                        if in_bin == wanted:  # the whole bin is taken: every key >= its lowest
+                            thr = (prefix ^ SIGN_BIT) - 1
+                            budget = 0
+                            searching = 0
+                        elif p == PASSES - 1:
+                            thr = prefix ^ SIGN_BIT
+                            budget = wanted
+                            searching = 0
+
+            # 2. gather in ascending tiles
+            for c0 in T.serial(T.ceildiv(k, threads)):
+                for th in fl.parallel(threads):
+                    if (c0 * threads + th < k) & (c0 * threads + th >= valid):
+                        Out[m, c0 * threads + th] = -1
+            above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
+            equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
+            for t in T.serial(tiles):
+                if above + T.min(equal, budget) < valid:
+                    for th in fl.parallel(threads):
+                        mine[th] = 0
+                        for j in T.serial(items):
+                            n = start + t * tile + th * items + j
+                            if n < end:
+                                key = _key(Values[m, n])
+                                if eligible(key, key > thr):
+                                    mine[th] = mine[th] + 1
+                                elif eligible(key, key == thr):
+                                    mine[th] = mine[th] + EQUAL_UNIT
+                        counts[th] = mine[th]
+                    prefix_sums(counts)
+                    for th in fl.parallel(threads):
+                        above_at[th] = above + (counts[th] - mine[th]) % EQUAL_UNIT
+                        equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
+                        for j in T.serial(items):
+                            n = start + t * tile + th * items + j
+                            if n < end:
+                                key = _key(Values[m, n])
+                                if eligible(key, key > thr):
+                                    Out[m, above_at[th] + T.min(equal_at[th], budget)] = mapped(Blocks, m, n)
+                                    above_at[th] = above_at[th] + 1
+                                elif eligible(key, key == thr):
+                                    if equal_at[th] < budget:
+                                        Out[m, above_at[th] + equal_at[th]] = mapped(Blocks, m, n)
+                                    equal_at[th] = equal_at[th] + 1
+                    above = above + counts[threads - 1] % EQUAL_UNIT
+                    equal = equal + counts[threads - 1] // EQUAL_UNIT
+
+    return topk_stage
+
+
+def topk_stage_args(values, ends, k: int, fl: Flavour, *, starts=None, blocks=None):
+    """Arguments of topk_stage_program's kernel (ends None: every row ends at W) and the output [M, k]."""
+    rows, width = values.shape
+    device = values.device
+    if rows == 0 or width == 0:
+        return None, torch.full((rows, k), -1, dtype=torch.int32, device=device)
+    out = torch.empty((rows, k), dtype=torch.int32, device=device)
+    if ends is None:
+        ends = torch.full((rows,), width, dtype=torch.int32, device=device)
+    if starts is None:
+        starts = torch.zeros(1, dtype=torch.int32, device=device)
+    if blocks is None:
+        blocks = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    return [values, ends, starts, blocks, out], out
+
+
+# ---------------------------------------------------------------- topk_indices
+
+
+def topk_program(problem: TopkProblem, config: dict, fl: Flavour):
+    return topk_stage_program(problem.has_starts, False, 0, config, fl)
+
+
+def topk_args(problem: TopkProblem, inputs: dict, fl: Flavour):
+    return topk_stage_args(inputs["logits"], inputs["ends"], inputs["k"], fl, starts=inputs["starts"])
+
+
+# GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a), threads x items: 128x32 40
+# registers, 256x4 32, 512x8 48, 512x32 48, 1024x2 39, 1024x8 40, 1024x16 40 (with starts, drop_neg_inf
+# and the index map or without), never a spill, so 1024 threads fit (<= 64 registers each); the
+# block-score stage uses 24. Shared memory: the 1 KiB histogram, aliased with the 4 B x threads tile
+# counts (at most 4 KiB). Nothing in the space spills or overflows shared memory: no GPU limits needed.
+TOPK_SPACE = Space(
+    params={"threads": (128, 256, 512, 1024), "items": (2, 4, 8, 16, 32)},
+    constraints={
+        "threads x items < 32768 (a tile's counts are packed in 16-bit halves)":
+            lambda p, c: c["threads"] * c["items"] < 1 << 15,
+    },
+    gpu_only=("threads",),
+)
+
+
+def topk_default(problem: TopkProblem) -> dict:
+    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K."""
+    if problem.positions >= 1 << 16:
+        return {"threads": 1024, "items": 8}
+    if problem.positions >= 1 << 13:
+        return {"threads": 512, "items": 8}
+    return {"threads": 256, "items": 4}
+
+
+# ---------------------------------------------------------------- candidate_blocks
+
+
+def block_max_program(block: int, config: dict, fl: Flavour):
+    """Block scores [M, NB] of logits [M, N] below row_end [M] (NaN as -inf, the newest block +inf), a thread each."""
+    per_block = config["score_threads"]
+    rows, width, n_blocks = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB")
+    inf = T.infinity("float32")
+
+    @T.prim_func
+    def block_max(
+        Logits: T.Tensor((rows, width), "float32"),
+        RowEnd: T.Tensor((rows,), "int32"),
+        Scores: T.Tensor((rows, n_blocks), "float32"),
+    ):
+        with T.Kernel(rows, T.ceildiv(n_blocks, per_block), threads=per_block) as (m, bx):  # rows may pass 65535: x
+            best = fl.fragment((per_block,), "float32")
+            end = T.alloc_var("int32", RowEnd[m])
+            for b in fl.parallel(per_block):
+                best[b] = -inf
+                for j in T.serial(block):
+                    n = (bx * per_block + b) * block + j
+                    if n < end:  # the comparison is false for NaN: it counts as -inf
+                        best[b] = T.if_then_else(Logits[m, n] > best[b], Logits[m, n], best[b])
+                if bx * per_block + b < n_blocks:
+                    newest = (end > 0) & (bx * per_block + b == (end - 1) // block)
+                    # a zero maximum is stored as +0.0 (-0.0 ranks below it; which zero a max keeps is arbitrary)
+                    zero_as_positive = T.if_then_else(best[b] == 0.0, 0.0, best[b])
+                    Scores[m, bx * per_block + b] = T.if_then_else(newest, inf, zero_as_positive)
+
+    return block_max
+
+
+def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
+    """(block scores, top-k of them with -inf blocks dropped)."""
+    return (block_max_program(problem.block, config, fl),
+            topk_stage_program(False, True, 0, config, fl))
+
+
+def blocks_args(problem: CandidateProblem, inputs: dict, fl: Flavour):
+    logits, row_end, n_blocks = inputs["logits"], inputs["row_end"], inputs["n_blocks"]
+    rows, width = logits.shape
+    if rows == 0 or width == 0:
+        return None, torch.full((rows, n_blocks), -1, dtype=torch.int32, device=logits.device)
+    scores = torch.empty((rows, problem.blocks), dtype=torch.float32, device=logits.device)
+    select_args, out = topk_stage_args(scores, None, n_blocks, fl)
+    return ([logits, row_end, scores], select_args), out
+
+
+BLOCKS_SPACE = Space(
+    params={"score_threads": (64, 128, 256), **TOPK_SPACE.params},
+    constraints=TOPK_SPACE.constraints,
+    gpu_only=("score_threads", "threads"),
+)
+
+
+def blocks_default(problem: CandidateProblem) -> dict:
+    """128 blocks per scoring block; the top-k stage as topk_default for a row of ceil(N / block) scores."""
+    return {"score_threads": 128, **topk_default(TopkProblem(problem.rows, problem.blocks, problem.n_blocks))}

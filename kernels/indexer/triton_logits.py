@@ -1,0 +1,331 @@
+"""Indexer scoring in Triton: dense, paged and sparse MQA logits from one kernel source.
+
+    logits[m, n] = sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n]       (fp8; k_scale per key)
+                 = sum_h w[m, h] * relu(q[m, h] . k[n])                    (mxfp4, on dequantized q, k)
+    and -inf outside the positions row m may see.
+
+Tile plan: a program owns ROWS query rows that see the same keys (BLOCK_M rows of the dense
+form, the next_n tokens of one sequence in the paged form, one row in the sparse form) and a
+span of TILES x BLOCK_N output columns. Its q tile [ROWS x H, D] (heads padded to H_PAD) stays
+put while it walks the span one key tile at a time:
+  1. column -> key position (dense and paged: the column itself; sparse: candidate block
+     blocks[m, c // block] and slot c % block) and the rows that may see it ([ks, ke) per row;
+     paged: [0, context_len - next_n + j + 1));
+  2. a tile no row may see is stored as -inf and nothing else is read;
+  3. otherwise key storage rows (paged: through the block table, read only where seen), then
+     S = K Q^T [BLOCK_N, ROWS x H] in fp32: one fp8 dot over D, or for MXFP4 one dot per 32
+     values of D on e2m1 codes decoded to e4m3 in registers (exact), each scaled by its two
+     ue8m0 block scales (a power of two: exact) and summed in chunk order;
+  4. relu, times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf masked, stored.
+The keys of a tile are the MMA's M side, so one query row's heads (32 or 64) suffice for its
+N side. Every sum has a fixed order: repeated runs are bitwise identical. (sm_90's fp8 MMAs
+add inside one dot at less than fp32 precision, as DeepGEMM's do; the upstream similarity
+tolerances allow it.) Addresses that can pass 2^31 (key rows x D, rows x columns) are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import flashkern
+from flashkern.autotune.space import Space
+from flashkern.kernels._triton import Launch
+
+DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
+MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
+E2M1_AS_E4M3_CORRECTION = tl.constexpr(4096.0)  # 2^6 x 2^6: e2m1 codes read as e4m3 are 2^-6 of their values
+
+
+@triton.jit
+def _mxfp4_chunk(packed_ptr, scale_ptr, rows, rows_ok, chunk, D: tl.constexpr):
+    """Block `chunk` (values chunk*32 .. chunk*32+31) of MXFP4 rows [R]: the e2m1 values times 2^-6 as e4m3 [R, 32]
+    and the block scale 2^(e - 127) as fp32 [R], all exact.
+
+    An e2m1 code s|ee|m (even element in the low nibble) placed at bits 7 and 4..2 of a byte reads as the e4m3
+    value 2^-6 times its own: exponent ee with e4m3's bias 7 instead of e2m1's 1, subnormals included.
+    """
+    element = tl.arange(0, MX_BLOCK)[None, :]
+    byte = tl.load(packed_ptr + rows[:, None] * (D // 2) + chunk * (MX_BLOCK // 2) + element // 2,
+                   mask=rows_ok[:, None], other=0)
+    code = byte >> ((element % 2) * 4).to(tl.uint8)  # bits 3..0: this element's code
+    values = (((code << 2) & 0x1C) | ((code << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
+    e = tl.load(scale_ptr + rows * (D // MX_BLOCK) + chunk, mask=rows_ok, other=127).to(tl.int32)
+    scale = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 2.0**-127)
+    return values, scale
+
+
+@triton.jit
+def _key_positions(col, group, keys, width, blocks_ptr, table_width, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Absolute key position of each output column and whether that key exists."""
+    if MODE == SPARSE:
+        block_id = tl.load(blocks_ptr + group.to(tl.int64) * table_width + col // BLOCK, mask=col < width, other=-1)
+        position = block_id * BLOCK + col % BLOCK
+        exists = (block_id >= 0) & (position < keys)
+    else:
+        position = col
+        exists = col < width
+    return position, exists
+
+
+@triton.jit
+def _key_storage_rows(position, needed, group, table_ptr, table_width, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row of each needed key in k / k_scale: the position itself, or its slot in the paged cache."""
+    if MODE == PAGED:
+        page = tl.load(table_ptr + group.to(tl.int64) * table_width + position // BLOCK, mask=needed, other=0)
+        storage_row = page.to(tl.int64) * BLOCK + position % BLOCK
+    else:
+        storage_row = position.to(tl.int64)
+    return storage_row
+
+
+@triton.jit
+def _head_dots(q_tile, q_ptr, q_scale_ptr, q_rows, q_ok, k_ptr, k_scale_ptr, key_rows, needed,
+               FP4: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """S = K Q^T: fp32 [BLOCK_N, ROWS x H_PAD] dot products of the tile's keys with every (row, head) of q."""
+    if FP4:
+        S = tl.zeros((key_rows.shape[0], q_rows.shape[0]), tl.float32)
+        for chunk in range(D // MX_BLOCK):
+            k, k_scale = _mxfp4_chunk(k_ptr, k_scale_ptr, key_rows, needed, chunk, D)
+            q, q_scale = _mxfp4_chunk(q_ptr, q_scale_ptr, q_rows, q_ok, chunk, D)
+            S += tl.dot(k, tl.trans(q)) * k_scale[:, None] * q_scale[None, :]
+        S = S * E2M1_AS_E4M3_CORRECTION
+    else:
+        d = tl.arange(0, BLOCK_D)[None, :]
+        k = tl.load(k_ptr + key_rows[:, None] * D + d, mask=needed[:, None] & (d < D), other=0.0)
+        S = tl.dot(k, tl.trans(q_tile))
+    return S
+
+
+@triton.jit
+def indexer_logits_kernel(
+    q_ptr, q_scale_ptr, w_ptr, k_ptr, k_scale_ptr, out_ptr,
+    ks_ptr, ke_ptr,  # dense and sparse: each row's visible positions [ks, ke)
+    table_ptr, context_ptr,  # paged: block table [B, table_width], context lengths [B]
+    blocks_ptr,  # sparse: candidate blocks [M, table_width]
+    rows, keys, width, table_width,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constexpr,
+    MODE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+):
+    group = tl.program_id(0)  # dense: rows group*ROWS ..; paged: sequence `group`; sparse: row `group`
+    first = group * ROWS
+    end = tl.minimum(first + ROWS, rows)
+    # the program's query rows and the positions each sees: lo <= position < hi
+    row = first + tl.arange(0, ROWS_PAD)
+    row_ok = row < end
+    if MODE == PAGED:
+        lo = tl.zeros((ROWS_PAD,), tl.int32)
+        hi = tl.where(row_ok, tl.load(context_ptr + group) - ROWS + 1 + (row - first), 0)
+    else:
+        lo = tl.load(ks_ptr + row, mask=row_ok, other=0)
+        hi = tl.load(ke_ptr + row, mask=row_ok, other=0)
+    nonempty = lo < hi  # false for missing rows (lo = hi = 0)
+    lo_min = tl.min(tl.where(nonempty, lo, 2**31 - 1), axis=0)
+    hi_max = tl.max(tl.where(nonempty, hi, 0), axis=0)
+    # q and w of every (row, head) slot, slot = r * H_PAD + h
+    slot = tl.arange(0, ROWS_PAD * H_PAD)
+    slot_head = slot % H_PAD
+    q_ok = (first + slot // H_PAD < end) & (slot_head < H)
+    q_rows = (first + slot // H_PAD).to(tl.int64) * H + slot_head
+    q_tile = None
+    if not FP4:
+        d = tl.arange(0, BLOCK_D)[None, :]
+        q_tile = tl.load(q_ptr + q_rows[:, None] * D + d, mask=q_ok[:, None] & (d < D), other=0.0)
+    head = tl.arange(0, H_PAD)[None, :]
+    w = tl.load(w_ptr + row.to(tl.int64)[:, None] * H + head, mask=row_ok[:, None] & (head < H), other=0.0)
+
+    out_rows = out_ptr + row.to(tl.int64)[None, :] * width
+    span = tl.program_id(1) * (TILES * BLOCK_N)
+    for tile_start in range(span, tl.minimum(span + TILES * BLOCK_N, width), BLOCK_N):
+        col = tile_start + tl.arange(0, BLOCK_N)
+        position, exists = _key_positions(col, group, keys, width, blocks_ptr, table_width, MODE, BLOCK)
+        needed = exists & (position >= lo_min) & (position < hi_max)  # what some row sees (and gaps between rows)
+        logits = tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32)
+        if tl.max(needed.to(tl.int32), axis=0) > 0:
+            key_rows = _key_storage_rows(position, needed, group, table_ptr, table_width, MODE, BLOCK)
+            S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_rows, q_ok, k_ptr, k_scale_ptr, key_rows, needed,
+                           FP4, D, BLOCK_D)
+            heads = tl.reshape(tl.maximum(S, 0.0), (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
+            scores = tl.sum(heads, axis=2)
+            if not FP4:
+                scores = scores * tl.load(k_scale_ptr + key_rows, mask=needed, other=0.0)[:, None]
+            p = position[:, None]
+            visible = exists[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
+            logits = tl.where(visible, scores, float("-inf"))
+        tl.store(out_rows + col[:, None], logits, mask=(col < width)[:, None] & row_ok[None, :])
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict) -> dict:
+    """Shape constants of one specialization; heads padded so that a dot's N side is >= 16."""
+    rows_pad = triton.next_power_of_2(rows)
+    return dict(H=indexer.heads, H_PAD=_heads_pad(indexer, rows),
+                D=indexer.dim, BLOCK_D=max(32, triton.next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
+                MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, BLOCK=block,
+                BLOCK_N=config["block_n"], TILES=config["tiles"])
+
+
+def _launch(groups: int, width: int, config: dict, args: dict) -> Launch:
+    span = config["block_n"] * config["tiles"]
+    return Launch(indexer_logits_kernel, grid=(groups, triton.cdiv(width, span)), args=args,
+                  num_warps=config["num_warps"])
+
+
+def _unused_addressing() -> dict:
+    return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, table_width=0)
+
+
+def plan_mqa_logits(problem, inputs: dict, config: dict):
+    """Dense logits [M, N]: programs of block_m rows x a span of key tiles."""
+    m, n = problem.rows, problem.keys
+    logits = torch.empty(m, n, dtype=torch.float32, device=inputs["q"].device)
+    args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
+                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=logits, ks_ptr=inputs["ks"],
+                ke_ptr=inputs["ke"], rows=m, keys=n, width=n,
+                **_indexer_constexprs(problem.indexer, config["block_m"], DENSE.value, 1, config))
+    return _launch(triton.cdiv(m, config["block_m"]), n, config, args), logits
+
+
+def plan_paged_mqa_logits(problem, inputs: dict, config: dict):
+    """Decode logits [B * next_n, max_blocks * block_size]: a program per sequence x a span of positions."""
+    rows, width = problem.batch * problem.next_n, problem.width
+    logits = torch.empty(rows, width, dtype=torch.float32, device=inputs["q"].device)
+    args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
+                k_ptr=inputs["k_cache"], k_scale_ptr=inputs["k_scale"], out_ptr=logits,
+                table_ptr=inputs["block_table"], context_ptr=inputs["context_lens"], table_width=problem.max_blocks,
+                rows=rows, keys=0, width=width,
+                **_indexer_constexprs(problem.indexer, problem.next_n, PAGED.value, problem.block_size, config))
+    return _launch(problem.batch, width, config, args), logits
+
+
+def plan_sparse_scores(problem, inputs: dict, config: dict):
+    """Scores [M, n_blocks * block] of each row's candidate positions (-inf where a row may not see them)."""
+    m, width = problem.rows, problem.candidates
+    scores = torch.empty(m, width, dtype=torch.float32, device=inputs["q"].device)
+    args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
+                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=scores, ks_ptr=inputs["ks"],
+                ke_ptr=inputs["ke"], blocks_ptr=inputs["blocks"], table_width=problem.n_blocks,
+                rows=m, keys=problem.keys, width=width,
+                **_indexer_constexprs(problem.indexer, 1, SPARSE.value, problem.block, config))
+    return _launch(m, width, config, args), scores
+
+
+# ---------------------------------------------------------------- spaces and defaults
+# Register model, measured with ptxas (sm_90a, Triton 3.9; H 4/32/64, D 64/128, all three modes): what matters
+# is the fp32 tile S [block_n, rows x heads] per thread. fp8 holds one such tile: 64 values per thread take
+# 110-176 registers, 128 take 200-255 (11 configs, none spills), 256 spill (block_m 4 x block_n 256 x H 64 on
+# 8 warps: 216 B). MXFP4 holds two (the running sum and the chunk's dot) plus the decoded codes: 32 values per
+# thread take 116-255 registers without spilling (17 configs); at 64, 9 of 10 configs built clean at 194-255
+# registers but block_m 2 x block_n 128 x H 64 on 8 warps spilled 56 B, so the limit stays at 32; 128 spill
+# (652-1172 B). Shared memory is the dot operands, (block_n + slots) x D bytes for fp8 and (block_n + slots) x 32
+# for MXFP4's chunks, as every build measured (1024 keys x 32 heads x D 128 in fp8: 135168 B). Pipelining stages
+# change nothing (the tile loop holds a branch): Triton's default is kept.
+SHARED_MEMORY = 227 * 1024  # sm_90's most per block
+VALUES_PER_THREAD = {"fp8": 128, "mxfp4": 32}  # limit
+DEFAULT_VALUES_PER_THREAD = {"fp8": 64, "mxfp4": 32}
+MAX_NUMEL = 2**20  # Triton's largest tensor
+TILES = (1, 4, 16, 64)
+NUM_WARPS = (4, 8)
+
+
+def _heads_pad(indexer, rows: int) -> int:
+    return max(triton.next_power_of_2(indexer.heads), 16 // triton.next_power_of_2(rows))
+
+
+def _slots(indexer, rows: int) -> int:
+    """(row, head) slots of a program's q tile: the N side of S."""
+    return triton.next_power_of_2(rows) * _heads_pad(indexer, rows)
+
+
+def _values_per_thread(indexer, rows: int, config: dict) -> int:
+    return config["block_n"] * _slots(indexer, rows) // (32 * config["num_warps"])
+
+
+def _operand_bytes(indexer, rows: int, config: dict) -> int:
+    width = max(32, triton.next_power_of_2(indexer.dim)) if indexer.fmt == "fp8" else 32
+    return (config["block_n"] + _slots(indexer, rows)) * width
+
+
+def _space(params: dict, rows_of) -> Space:
+    """A space whose programs own rows_of(problem, config) query rows."""
+    return Space(
+        params={**params, "tiles": TILES, "num_warps": NUM_WARPS},
+        gpu_only=("num_warps",),
+        constraints={"block_n x rows x heads <= 2^20 (Triton's largest tensor)":
+                     lambda p, c: c["block_n"] * _slots(p.indexer, rows_of(p, c)) <= MAX_NUMEL},
+        limits={"block_n x rows x heads / threads <= 128 (fp8) or 32 (mxfp4) (registers)":
+                lambda p, c: _values_per_thread(p.indexer, rows_of(p, c), c) <= VALUES_PER_THREAD[p.indexer.fmt],
+                "(block_n + rows x heads) x D (fp8) or x 32 (mxfp4) bytes <= 227 KiB (shared memory)":
+                lambda p, c: _operand_bytes(p.indexer, rows_of(p, c), c) <= SHARED_MEMORY},
+    )
+
+
+def _gpu_block_n(indexer, rows: int) -> int:
+    """The widest key tile whose S stays at the default values per thread on 8 warps (the narrowest if none does)."""
+    target = DEFAULT_VALUES_PER_THREAD[indexer.fmt]
+    for block_n in (256, 128, 64):
+        if _values_per_thread(indexer, rows, {"block_n": block_n, "num_warps": 8}) <= target:
+            return block_n
+    return 64
+
+
+def _tiles(programs_per_span: int, width: int, block_n: int) -> int:
+    """Key tiles per program: the most that still leave ~2 programs per SM of an H200 (132 SMs)."""
+    tiles = TILES[-1]
+    while tiles > 1 and programs_per_span * triton.cdiv(width, block_n * tiles) < 264:
+        tiles //= 4
+    return tiles
+
+
+def _interpreted_block_n(width: int, widest: int, slots: int) -> int:
+    """Under the interpreter: the whole width in one key tile when it fits (and S within Triton's largest tensor)."""
+    return max(64, min(widest, MAX_NUMEL // slots, triton.next_power_of_2(max(width, 1))))
+
+
+LOGITS_SPACE = _space({"block_m": (1, 2, 4, 8, 16, 32, 64), "block_n": (64, 128, 256)},
+                      lambda p, c: c["block_m"])
+
+
+def logits_default(problem) -> dict:
+    """GPU: q tiles of 128 (fp8) or 64 (mxfp4) (row, head) slots on 8 warps, key tiles as wide as S's default
+    values per thread allow. Interpreter (each tl op costs about the same whatever its size): up to 1024 slots x
+    256 keys."""
+    heads = triton.next_power_of_2(problem.indexer.heads)
+    if flashkern.triton_interpreted():
+        block_m = max(1, min(64, 1024 // heads, triton.next_power_of_2(max(problem.rows, 1))))
+        block_n = _interpreted_block_n(problem.keys, 256, _slots(problem.indexer, block_m))
+        return {"block_m": block_m, "block_n": block_n, "tiles": 64, "num_warps": 8}
+    slots = 128 if problem.indexer.fmt == "fp8" else 64
+    block_m = max(1, slots // heads)
+    block_n = _gpu_block_n(problem.indexer, block_m)
+    return {"block_m": block_m, "block_n": block_n, "num_warps": 8,
+            "tiles": _tiles(triton.cdiv(problem.rows, block_m), problem.keys, block_n)}
+
+
+WIDE_KEY_TILES = {"block_n": (64, 128, 256, 512, 1024)}
+PAGED_SPACE = _space(WIDE_KEY_TILES, lambda p, c: p.next_n)
+
+
+def paged_default(problem) -> dict:
+    """A program per sequence; GPU: 8 warps, key tiles as wide as S's default values per thread allow."""
+    if flashkern.triton_interpreted():
+        block_n = _interpreted_block_n(problem.width, 1024, _slots(problem.indexer, problem.next_n))
+        return {"block_n": block_n, "tiles": 64, "num_warps": 8}
+    block_n = _gpu_block_n(problem.indexer, problem.next_n)
+    return {"block_n": block_n, "num_warps": 8, "tiles": _tiles(problem.batch, problem.width, block_n)}
+
+
+SPARSE_SPACE = _space(WIDE_KEY_TILES, lambda p, c: 1)
+
+
+def sparse_default(problem) -> dict:
+    """A program per row; GPU: 8 warps, key tiles as wide as S's default values per thread allow."""
+    if flashkern.triton_interpreted():
+        block_n = _interpreted_block_n(problem.candidates, 1024, _slots(problem.indexer, 1))
+        return {"block_n": block_n, "tiles": 64, "num_warps": 8}
+    block_n = _gpu_block_n(problem.indexer, 1)
+    return {"block_n": block_n, "num_warps": 8, "tiles": _tiles(problem.rows, problem.candidates, block_n)}

@@ -1,0 +1,265 @@
+"""Top-k selection in Triton: a deterministic radix select per row, and candidate blocks on top of it.
+
+The selection rule is reference.select_topk's: rank by value descending, NaN below every number,
+ties to the lower position; emit the chosen positions ascending, then -1 padding.
+
+Order keys: an fp32 bit pattern whose magnitude bits are flipped when negative is an int32 in IEEE
+order (-0.0 just below +0.0); NaN takes the lowest int32, below -inf's key. Equal keys are equal
+values, so ranking keys descending with ties to the lower position is the rule.
+
+Tile plan of the top-k stage: a program owns BLOCK_M rows and walks their columns [start, end) in
+[BLOCK_M, BLOCK_N] tiles; each row has its own 256 histogram bins (one histogram of BLOCK_M x 256).
+  1. four radix passes, 8 bits each from the top: histogram the digit of every eligible key whose
+     higher digits equal those found so far; scanning a row's bins from the top, the bin
+     holding the rank-th largest key gives the next digit, and the rank drops by the keys in the
+     bins above. The first pass also counts the eligible keys: rank = min(k, eligible). After the
+     last pass `threshold` is the rank-th largest key and `quota` how many keys equal to it are
+     taken (the first ones by position).
+  2. gather, tiles in ascending order: take every key above the threshold and the first `quota`
+     keys equal to it; each taken position goes to its running output slot (a prefix sum of the
+     take mask), so the output is ascending and the same on every run.
+  3. -1 padding after the taken positions.
+Optional per row: starts/ends (default the whole row), -inf and NaN not eligible (drop_neg_inf),
+and an index map for the sparse path (column c -> blocks[m, c // block] * block + c % block).
+
+Candidate blocks run two launches: block scores (a program per TILE_BLOCKS blocks of the flattened
+[rows, blocks] scores, each block a row of a [TILE_BLOCKS, block] tile: the max order key (+0.0 above -0.0) of its
+positions below row_end, NaN as -inf; the block holding row_end - 1 is +inf), then the top-k stage
+over the scores with -inf not eligible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import flashkern
+from flashkern.autotune.space import Space
+from flashkern.kernels._triton import Launch
+from flashkern.kernels.indexer.problem import TopkProblem
+
+NAN_KEY = tl.constexpr(-(2**31))  # the lowest int32: NaN ranks below every number
+NEG_INF_KEY = tl.constexpr(-2139095041)  # order key of -inf: 0xFF800000 with its magnitude bits flipped
+RADIX_BINS = tl.constexpr(256)
+
+
+@triton.jit
+def _flip_negative(bits):
+    """fp32 bit patterns <-> int32 keys in IEEE order (an involution: negative patterns flip their magnitude bits)."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _order_key(x, nan_key):
+    """IEEE-ordered int32 key of each fp32 value; NaN gets `nan_key`."""
+    return tl.where(x == x, _flip_negative(x.to(tl.int32, bitcast=True)), nan_key)
+
+
+@triton.jit
+def _tile_keys(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [1, BLOCK_N] of tile `tile`, the rows' order keys there and which are eligible, [BLOCK_M, BLOCK_N]."""
+    col = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    eligible = (col >= start[:, None]) & (col < end[:, None])
+    x = tl.load(row_values[:, None] + col, mask=eligible, other=0.0)
+    if DROP_NEG_INF:
+        eligible = eligible & (x > float("-inf"))  # false for NaN too
+    return col, _order_key(x, NAN_KEY), eligible
+
+
+@triton.jit
+def topk_kernel(values_ptr, rows, width, starts_ptr, ends_ptr, blocks_ptr, out_ptr, k,
+                DROP_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = row < rows
+    row = row.to(tl.int64)
+    row_values = values_ptr + row * width
+    start = tl.zeros((BLOCK_M,), tl.int32)
+    if starts_ptr is not None:
+        start = tl.load(starts_ptr + row, mask=row_ok, other=0)
+    end = tl.where(row_ok, width, 0)
+    if ends_ptr is not None:
+        end = tl.load(ends_ptr + row, mask=row_ok, other=0)
+    first_tile = tl.min(start) // BLOCK_N
+    end_tile = tl.cdiv(tl.max(end), BLOCK_N)
+    bins = tl.arange(0, RADIX_BINS)[None, :]
+    row_bins = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS  # each row histograms into its own 256 bins
+
+    # 1. radix select: digits of the rank-th largest key, 8 bits at a time (in the key's unsigned
+    #    order, key ^ NAN_KEY), while `quota` counts down to its rank among the keys that share them
+    found = tl.zeros((BLOCK_M,), tl.int32)  # unsigned-order bits of the threshold found so far
+    quota = tl.full((BLOCK_M,), k, tl.int32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p  # a constexpr: p is static
+        histogram = tl.zeros((BLOCK_M, RADIX_BINS), tl.int32)
+        for tile in range(first_tile, end_tile):
+            _, key, counted = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N)
+            radix = key ^ NAN_KEY
+            if p > 0:
+                counted = counted & ((radix >> (shift + 8)) == (found[:, None] >> (shift + 8)))
+            bin_of = row_bins + ((radix >> shift) & 0xFF)
+            counts = tl.histogram(tl.reshape(bin_of, (BLOCK_M * BLOCK_N,)), BLOCK_M * RADIX_BINS,
+                                  mask=tl.reshape(counted, (BLOCK_M * BLOCK_N,)))
+            histogram += tl.reshape(counts, (BLOCK_M, RADIX_BINS))
+        if p == 0:
+            quota = tl.minimum(quota, tl.sum(histogram, axis=1))
+        at_or_above = tl.cumsum(histogram, 1, reverse=True)
+        digit = tl.sum((at_or_above >= quota[:, None]).to(tl.int32), axis=1) - 1
+        quota -= tl.sum(tl.where(bins > digit[:, None], histogram, 0), axis=1)
+        found = found | (digit << shift)
+    threshold = (found ^ NAN_KEY)[:, None]
+
+    # 2. gather in ascending column order
+    out_row = out_ptr + row[:, None] * k
+    taken = tl.zeros((BLOCK_M,), tl.int32)
+    ties_seen = tl.zeros((BLOCK_M,), tl.int32)
+    for tile in range(first_tile, end_tile):
+        col, key, eligible = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N)
+        tie = (eligible & (key == threshold)).to(tl.int32)
+        tie_rank = ties_seen[:, None] + tl.cumsum(tie, 1) - 1
+        take = (eligible & (key > threshold)) | ((tie != 0) & (tie_rank < quota[:, None]))
+        slot = taken[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        index = col
+        if blocks_ptr is not None:
+            block_id = tl.load(blocks_ptr + row[:, None] * (width // BLOCK) + col // BLOCK, mask=take, other=0)
+            index = block_id * BLOCK + col % BLOCK
+        tl.store(out_row + slot, index, mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=1)
+        ties_seen += tl.sum(tie, axis=1)
+
+    # 3. -1 padding
+    for tile in range(tl.min(taken) // BLOCK_N, tl.cdiv(k, BLOCK_N)):
+        slot = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(out_row + slot, tl.full((BLOCK_M, BLOCK_N), -1, tl.int32),
+                 mask=row_ok[:, None] & (slot >= taken[:, None]) & (slot < k))
+
+
+@triton.jit
+def block_max_kernel(logits_ptr, width, row_end_ptr, scores_ptr, n_scores, total_scores,
+                     BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    score = tl.program_id(0).to(tl.int64) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # flat [rows, n_scores] index
+    score_ok = score < total_scores
+    row = score // n_scores
+    block_id = score % n_scores
+    end = tl.load(row_end_ptr + row, mask=score_ok, other=0)
+    slot = tl.arange(0, BLOCK_PAD)[None, :]
+    position = block_id[:, None] * BLOCK + slot
+    x = tl.load(logits_ptr + row[:, None] * width + position, mask=(slot < BLOCK) & (position < end[:, None]),
+                other=float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 as +0.0, as the reference's maximum
+    best = _flip_negative(tl.max(_order_key(x, NEG_INF_KEY), axis=1)).to(tl.float32, bitcast=True)
+    best = tl.where((end > 0) & (block_id == (end - 1) // BLOCK), float("inf"), best)
+    tl.store(scores_ptr + score, best, mask=score_ok)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def topk_launch(values, ends, k, config, *, starts=None, drop_neg_inf=False, blocks=None, block=1):
+    """The top-k stage over values [M, W] fp32: (Launch, out int32 [M, k]).
+
+    ends/starts [M] int32 or None (the whole row); drop_neg_inf: -inf and NaN are not eligible;
+    blocks [M, W // block] int32 or None: emitted column c becomes blocks[m, c // block] * block + c % block.
+    """
+    rows, width = values.shape
+    out = torch.empty((rows, k), dtype=torch.int32, device=values.device)
+    launch = Launch(
+        topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
+        args=dict(values_ptr=values, rows=rows, width=width, starts_ptr=starts, ends_ptr=ends, blocks_ptr=blocks,
+                  out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf, BLOCK=block, BLOCK_M=config["block_m"],
+                  BLOCK_N=config["block_n"]),
+        num_warps=config["num_warps"],
+    )
+    return launch, out
+
+
+def plan_topk(problem, inputs, config):
+    return topk_launch(inputs["logits"], inputs["ends"], inputs["k"], config, starts=inputs["starts"])
+
+
+def plan_candidate_blocks(problem, inputs, config):
+    logits, block = inputs["logits"], inputs["block"]
+    scores = torch.empty((problem.rows, problem.blocks), dtype=torch.float32, device=logits.device)
+    tile = config["tile_blocks"]
+    block_max = Launch(
+        block_max_kernel, grid=(triton.cdiv(problem.rows * problem.blocks, tile),),
+        args=dict(logits_ptr=logits, width=problem.positions, row_end_ptr=inputs["row_end"], scores_ptr=scores,
+                  n_scores=problem.blocks, total_scores=problem.rows * problem.blocks, BLOCK=block,
+                  BLOCK_PAD=triton.next_power_of_2(block), TILE_BLOCKS=tile),
+        num_warps=config["num_warps"],
+    )
+    select, out = topk_launch(scores, None, inputs["n_blocks"], config, drop_neg_inf=True)
+    return (block_max, select), out
+
+
+# ---------------------------------------------------------------- spaces and defaults
+
+# Register model, measured with ptxas -v for sm_90a (build_sm90). Per thread, the top-k stage keeps a
+# few copies of its [BLOCK_M, BLOCK_N] tile (keys, masks, prefix sums) and of its [BLOCK_M, 256]
+# histogram; block scores a few of their [TILE_BLOCKS, block] tile. Up to 8 warps (255 registers):
+#   tile values/thread 16 -> 80 registers, 32 -> 168..241, 64 -> 255 + 568 B spilled;
+#   histogram bins/thread 4 (block_m 4, 8 warps) -> 104..241 registers, 8 (block_m 8) -> 96 B spilled;
+#   block-score values/thread 4 -> 34, 16 -> 94, 32 -> 168, 64 -> 324 B spilled.
+# 16 warps cap ptxas at 128 registers: tile values 16 -> 117 registers, 32 -> 280 B spilled; tile 16
+# with bins 2 -> 128, with bins 4 -> 256 B spilled. So: 32 values per thread (16 on 16 warps), of
+# which histogram bins at most an eighth.
+def _values_budget(config) -> int:
+    return 32 if config["num_warps"] <= 8 else 16
+
+
+def _threads(config) -> int:
+    return 32 * config["num_warps"]
+
+
+def _tile_fits(config) -> bool:
+    return config["block_m"] * config["block_n"] // _threads(config) <= _values_budget(config)
+
+
+def _histogram_fits(config) -> bool:
+    return config["block_m"] * 256 // _threads(config) <= _values_budget(config) // 8
+
+
+def _scores_fit(problem, config) -> bool:
+    return config["tile_blocks"] * triton.next_power_of_2(problem.block) // _threads(config) <= _values_budget(config)
+
+
+_TOPK_PARAMS = {"block_m": (1, 2, 4, 8, 16, 32), "block_n": (512, 1024, 2048, 4096, 8192, 16384),
+                "num_warps": (4, 8, 16)}
+_TOPK_LIMITS = {
+    "block_m x block_n / threads <= 32, 16 on 16 warps (registers)": lambda p, c: _tile_fits(c),
+    "block_m x 256 / threads <= 4, 2 on 16 warps (registers: the histogram)": lambda p, c: _histogram_fits(c),
+}
+
+TOPK_SPACE = Space(params=_TOPK_PARAMS, gpu_only=("num_warps",), limits=_TOPK_LIMITS)
+
+BLOCKS_SPACE = Space(
+    params={"tile_blocks": (64, 128, 256, 512, 1024, 2048), **_TOPK_PARAMS},
+    gpu_only=("num_warps",),
+    limits={**_TOPK_LIMITS, "tile_blocks x block / threads <= 32, 16 on 16 warps (registers)": _scores_fit},
+)
+
+INTERPRETED_TILE = 131072  # elements per tile op under the interpreter
+
+
+def topk_default(problem) -> dict:
+    """A row per program on 8 warps in tiles of up to 4096 (16 values per thread).
+
+    Under the interpreter every tl op costs about the same whatever its size: a row in as few tiles
+    as allowed, and as many rows per program as fit INTERPRETED_TILE elements.
+    """
+    if flashkern.triton_interpreted():
+        block_n = max(512, min(16384, triton.next_power_of_2(max(1, problem.positions))))
+        block_m = max(1, min(32, INTERPRETED_TILE // block_n, triton.next_power_of_2(max(1, problem.rows))))
+        return {"block_m": block_m, "block_n": block_n, "num_warps": 8}
+    return {"block_m": 1, "block_n": max(512, min(4096, triton.next_power_of_2(max(1, problem.positions)))),
+            "num_warps": 8}
+
+
+def blocks_default(problem) -> dict:
+    """Block-score tiles of 16 values per thread on 8 warps (2048 blocks under the interpreter); the top-k
+    stage as topk_default runs the scores."""
+    select = topk_default(TopkProblem(problem.rows, problem.blocks, problem.n_blocks))
+    if flashkern.triton_interpreted():
+        return {"tile_blocks": 2048, **select}
+    tile_blocks = max(64, min(2048, 16 * _threads(select) // triton.next_power_of_2(problem.block)))
+    return {"tile_blocks": tile_blocks, **select}

@@ -1,0 +1,436 @@
+"""The indexer family: every implementation (default and sampled configs) against the reference and oracles.
+
+Hypothesis draws storage formats, head counts, ragged key ranges (empty rows, full rows, tails
+that are not multiples of a tile), paged layouts with scattered cache blocks, and value shapes
+for selection (exact repeats, +-inf, NaN). Scores are compared with the SPECS.md similarity
+measure plus identical -inf masks (kernels.indexer.check_logits_result); selections with the property
+oracle (kernels.indexer.check_topk_result) and, since every implementation follows the reference's
+tie rule, for exact equality too.
+"""
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import flashkern.ops
+from _budget import fraction_of_examples
+from _device import DEVICE, on_device
+from flashkern import registry
+from flashkern.kernels.indexer import (CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem,
+                                       TopkProblem, check_logits_result, check_topk_result,
+                                       similarity_diff)
+from flashkern.reference import indexer as ref
+
+OPS = {name: registry.get(name) for name in
+       ("mqa_logits", "paged_mqa_logits", "topk_indices", "candidate_blocks", "sparse_mqa_logits")}
+KERNELS = ("triton", "tilelang")
+# Drawn indexer shapes: the model's, and a small one (each is a compiled specialization per kernel).
+INDEXERS = st.sampled_from([Indexer(32, 128, "fp8"), Indexer(32, 128, "mxfp4"), Indexer(4, 64, "fp8"),
+                            Indexer(4, 64, "mxfp4")])
+
+
+def _seed(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+
+def _quantized(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen, magnitude: float) -> dict:
+    """q, k, k_scale, q_scale and w in the drawn format; some keys all zero (a zero scale row)."""
+    h, d = indexer.heads, indexer.dim
+    q = torch.randn(*q_lead, h, d, generator=gen) * magnitude
+    k = torch.randn(*k_lead, d, generator=gen) * magnitude
+    k.view(-1, d)[:: 7] = 0.0
+    w = torch.randn(*q_lead, h, generator=gen)
+    if indexer.fmt == "fp8":
+        (q8, q_fold), (k8, k_scale) = ref.quantize_fp8_rows(q), ref.quantize_fp8_rows(k)
+        return dict(q=q8, k=k8, k_scale=k_scale, q_scale=None, w=w * q_fold)
+    (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
+    return dict(q=qp, k=kp, k_scale=k_scale, q_scale=q_scale, w=w)
+
+
+def _ranges(draw, gen, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kind = draw(st.sampled_from(["causal", "random", "full", "empty_rows"]))
+    if kind == "causal":
+        ke = (torch.arange(rows) + keys - rows + 1).clamp(0, keys)
+        ks = torch.zeros(rows, dtype=torch.long)
+    elif kind == "full":
+        ks, ke = torch.zeros(rows, dtype=torch.long), torch.full((rows,), keys)
+    else:
+        a, b = torch.randint(0, keys + 1, (2, rows), generator=gen)
+        ks, ke = torch.minimum(a, b), torch.maximum(a, b)
+        if kind == "empty_rows":
+            ke[::2] = ks[::2]
+    note(f"ranges={kind}")
+    return ks.int(), ke.int()
+
+
+@st.composite
+def logits_cases(draw):
+    indexer = draw(INDEXERS)
+    rows = draw(st.one_of(st.integers(1, 8), st.integers(9, 70)))
+    keys = draw(st.one_of(st.integers(1, 40), st.integers(41, 700)))
+    gen = _seed(draw)
+    inputs = _quantized(indexer, (rows,), (keys,), gen, draw(st.sampled_from([1.0, 1e-3, 300.0])))
+    inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
+    note(f"{indexer} rows={rows} keys={keys}")
+    return on_device(inputs)
+
+
+@st.composite
+def paged_cases(draw):
+    indexer = draw(INDEXERS)
+    batch, next_n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2]))
+    block_size, max_blocks = draw(st.sampled_from([16, 64])), draw(st.integers(1, 6))
+    gen = _seed(draw)
+    cache_blocks = batch * max_blocks + draw(st.integers(0, 3))
+    inputs = _quantized(indexer, (batch, next_n), (cache_blocks, block_size), gen, 1.0)
+    inputs["k_cache"] = inputs.pop("k")
+    inputs["w"] = inputs["w"].flatten(0, 1)
+    lens = torch.randint(0, max_blocks * block_size + 1, (batch,), generator=gen).int()
+    lens[0] = max_blocks * block_size  # one full table
+    table = torch.randperm(cache_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).int()
+    used = torch.arange(max_blocks) * block_size < lens[:, None].long()
+    inputs["block_table"] = torch.where(used, table, -7)  # entries past the context are garbage, never read
+    inputs["context_lens"] = lens
+    note(f"{indexer} batch={batch} next_n={next_n} block_size={block_size} max_blocks={max_blocks} lens={lens.tolist()}")
+    return on_device(inputs)
+
+
+VALUE_MODES = ("normal", "ties", "extreme", "nan")
+
+
+def selection_values(gen, rows: int, positions: int, mode: str) -> torch.Tensor:
+    values = torch.randn(rows, positions, generator=gen).relu() * 3
+    if mode == "ties":  # few distinct values: many exact repeats straddle the k-th
+        values = torch.randint(-3, 3, (rows, positions), generator=gen).float()
+    elif mode == "extreme":
+        pick = torch.randint(0, 5, (rows, positions), generator=gen)
+        special = torch.tensor([torch.inf, -torch.inf, 3e38, -3e38, 0.0])
+        values = torch.where(torch.rand(rows, positions, generator=gen) < 0.3, special[pick], values)
+        values[::3] = -0.0
+    elif mode == "nan":
+        values[torch.rand(rows, positions, generator=gen) < 0.2] = torch.nan
+        values[torch.rand(rows, positions, generator=gen) < 0.2] = -torch.inf
+    return values
+
+
+@st.composite
+def topk_cases(draw, max_positions: int = 3000):
+    rows = draw(st.integers(1, 24))
+    positions = draw(st.one_of(st.integers(1, 40), st.integers(41, max_positions)))
+    k = draw(st.sampled_from([1, 7, 64, 512, 2048]))
+    mode = draw(st.sampled_from(VALUE_MODES))
+    gen = _seed(draw)
+    ends = torch.randint(0, positions + 1, (rows,), generator=gen).int()
+    ends[0] = positions
+    starts = (torch.rand(rows, generator=gen) * (ends + 1)).int().clamp(max=ends) if draw(st.booleans()) else None
+    note(f"rows={rows} positions={positions} k={k} mode={mode} starts={starts is not None}")
+    return on_device(dict(logits=selection_values(gen, rows, positions, mode), ends=ends, k=k, starts=starts))
+
+
+@st.composite
+def candidate_cases(draw):
+    rows = draw(st.integers(1, 16))
+    positions = draw(st.one_of(st.integers(1, 40), st.integers(41, 4000)))
+    n_blocks, block = draw(st.sampled_from([1, 5, 64, 2048])), draw(st.sampled_from([8, 4]))
+    mode = draw(st.sampled_from(VALUE_MODES))
+    gen = _seed(draw)
+    row_end = torch.randint(0, positions + 1, (rows,), generator=gen).int()
+    row_end[0] = positions
+    note(f"rows={rows} positions={positions} n_blocks={n_blocks} block={block} mode={mode}")
+    return on_device(dict(logits=selection_values(gen, rows, positions, mode), row_end=row_end, n_blocks=n_blocks,
+                          block=block))
+
+
+def candidate_lists(gen, ke: torch.Tensor, n_blocks: int, block: int, keys: int) -> torch.Tensor:
+    """Per row: distinct block ids (visible ones mostly, sometimes past ke), random order, -1 padded."""
+    total = -(-keys // block)
+    blocks = torch.full((len(ke), n_blocks), -1, dtype=torch.int32)
+    for m in range(len(ke)):
+        chosen = torch.randperm(total, generator=gen)[: int(torch.randint(0, n_blocks + 1, (1,), generator=gen))]
+        blocks[m, : len(chosen)] = chosen.int()
+        blocks[m] = blocks[m, torch.randperm(n_blocks, generator=gen)]
+    return blocks
+
+
+@st.composite
+def sparse_cases(draw):
+    indexer = draw(INDEXERS)
+    rows, keys = draw(st.integers(1, 12)), draw(st.one_of(st.integers(1, 40), st.integers(41, 600)))
+    block, n_blocks = draw(st.sampled_from([8, 4])), draw(st.integers(1, 40))
+    top_k = draw(st.sampled_from([1, 16, 64, 512]))
+    gen = _seed(draw)
+    inputs = _quantized(indexer, (rows,), (keys,), gen, 1.0)
+    inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
+    inputs.update(blocks=candidate_lists(gen, inputs["ke"], n_blocks, block, keys), top_k=top_k, block=block)
+    note(f"{indexer} rows={rows} keys={keys} block={block} n_blocks={n_blocks} top_k={top_k}")
+    return on_device(inputs)
+
+
+CASES = {"mqa_logits": logits_cases, "paged_mqa_logits": paged_cases, "topk_indices": topk_cases,
+         "candidate_blocks": candidate_cases, "sparse_mqa_logits": sparse_cases}
+EXACT = ("topk_indices", "candidate_blocks")  # selections from exact values follow the reference's tie rule
+
+
+def run_and_check(op, inputs, backend, config=None):
+    expected = op.reference(**inputs)
+    actual = op.entry(**inputs, backend=backend, config=config)
+    op.compare(inputs, expected, actual)
+    if op.name in EXACT and backend != "reference":
+        assert torch.equal(actual.cpu(), expected.cpu()), "a selection differs from the reference's tie rule"
+    return actual
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(CASES))
+@given(data=st.data())
+def test_matches_reference(name, backend, data):
+    run_and_check(OPS[name], data.draw(CASES[name]()), backend)
+
+
+@pytest.mark.parametrize("name", ("topk_indices", "sparse_mqa_logits"))
+@given(data=st.data())
+def test_reference_selection_passes_the_oracle(name, data):
+    """The reference itself satisfies the selection oracle (which the kernels are held to)."""
+    run_and_check(OPS[name], data.draw(CASES[name]()), "reference")
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(CASES))
+@fraction_of_examples(1 / 3)
+@given(data=st.data())
+def test_sampled_configs_match_reference(name, backend, data):
+    """Any config of the tuning space (not only the default) is correct."""
+    op = OPS[name]
+    inputs = data.draw(CASES[name]())
+    impl = op.implementation(backend)
+    config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs), target=DEVICE.type)))
+    note(f"config={config}")
+    run_and_check(op, inputs, backend, config)
+
+
+MODEL_SHAPES = {  # the model's indexer at sizes that span several tiles, kept small for the CPU paths
+    "mqa_logits": LogitsProblem(9, 1500),
+    "paged_mqa_logits": PagedProblem(3, 7, 2, 64),
+    "topk_indices": TopkProblem(5, 20000, 2048, has_starts=True),
+    "candidate_blocks": CandidateProblem(4, 20000, 2048, 8),
+    "sparse_mqa_logits": SparseProblem(3, 3000, 256, 8, 512),
+}
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
+def test_model_shapes_match_reference(name, backend):
+    op = OPS[name]
+    run_and_check(op, op.make_inputs(MODEL_SHAPES[name], DEVICE, seed=5), backend)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
+def test_repeated_runs_are_bitwise_identical(name, backend):
+    op = OPS[name]
+    inputs = op.make_inputs(MODEL_SHAPES[name], DEVICE, seed=2)
+    first, second = (op.entry(**inputs, backend=backend).cpu() for _ in range(2))
+    assert torch.equal(first.view(torch.int32), second.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@pytest.mark.parametrize("fmt, limit", [("fp8", 1e-3), ("mxfp4", 0.02)])
+def test_quantized_scores_track_bf16_scores(backend, fmt, limit):
+    """SPECS.md: against logits from the unquantized bf16 inputs, similarity diff < 1e-3 (FP8) / 0.02 (FP4)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, keys, h, d = 8, 700, 32, 128
+    q = torch.randn(rows, h, d, generator=gen).bfloat16().float()
+    k = torch.randn(keys, d, generator=gen).bfloat16().float()
+    w = torch.randn(rows, h, generator=gen)
+    ks, ke = torch.zeros(rows, dtype=torch.int32), torch.full((rows,), keys, dtype=torch.int32)
+    exact = ref.score_keys(q, w, k)
+    if fmt == "fp8":
+        (q8, q_fold), (k8, k_scale) = ref.quantize_fp8_rows(q), ref.quantize_fp8_rows(k)
+        inputs = dict(q=q8, k=k8, k_scale=k_scale, w=w * q_fold, ks=ks, ke=ke)
+    else:
+        (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
+        inputs = dict(q=qp, k=kp, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale)
+    logits = flashkern.ops.mqa_logits(**on_device(inputs), backend=backend).cpu()
+    assert similarity_diff(exact.flatten(), logits.flatten()) < limit
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_two_level_selection_equals_dense_when_every_block_is_a_candidate(backend):
+    """With every block a candidate (context <= n_blocks * block), the sparse top-k is the dense top-k."""
+    problem = LogitsProblem(6, 900)
+    inputs = OPS["mqa_logits"].make_inputs(problem, DEVICE, seed=9)
+    dense = flashkern.ops.mqa_logits(**inputs, backend=backend)
+    blocks = flashkern.ops.candidate_blocks(dense, inputs["ke"], n_blocks=128, block=8, backend=backend)
+    assert ((blocks >= 0).sum(dim=1).cpu() == (inputs["ke"].cpu() + 7) // 8).all()
+    sparse = flashkern.ops.sparse_mqa_logits(**inputs, blocks=blocks, top_k=64, block=8, backend=backend)
+    eligible = torch.arange(900, device=DEVICE) < inputs["ke"][:, None]
+    check_topk_result(dense, eligible, 64, sparse, tol=1e-5)  # slot = position here; two kernels round differently
+
+
+# ---------------------------------------------------------------- the oracles catch wrong answers
+
+
+@pytest.mark.parametrize("corruption", ["unmask", "mask", "one_entry", "nan"])
+def test_logits_oracle_rejects(corruption):
+    inputs = OPS["mqa_logits"].make_inputs(LogitsProblem(4, 300), "cpu", seed=1)
+    expected = ref.mqa_logits(**inputs)
+    actual = expected.clone()
+    check_logits_result(expected, actual)
+    row = 0  # its range ends before the last key
+    n = int(inputs["ke"][row]) - 1
+    if corruption == "unmask":
+        actual[row, n + 1] = 0.0
+    elif corruption == "mask":
+        actual[row, n] = -torch.inf
+    elif corruption == "one_entry":
+        actual[row, n] *= 1.01
+    else:
+        actual[row, n] = torch.nan
+    with pytest.raises(AssertionError):
+        check_logits_result(expected, actual)
+
+
+@pytest.mark.parametrize("corruption", ["swap_lower", "duplicate", "short", "long", "out_of_range", "ineligible",
+                                        "nan_over_number"])
+def test_topk_oracle_rejects(corruption):
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 50, generator=gen)
+    values[2, 40:] = torch.nan
+    eligible = torch.arange(50) < torch.tensor([50, 30, 45])[:, None]
+    k = 8
+    out = ref.select_topk(values, eligible, k)
+    check_topk_result(values, eligible, k, out)
+    if corruption == "swap_lower":
+        out[0, 0] = int(torch.where(out[0].long().new_zeros(50).scatter_(0, out[0].long(), 1).bool(), torch.inf,
+                                    values[0]).argmin())
+    elif corruption == "duplicate":
+        out[0, 1] = out[0, 0]
+    elif corruption == "short":
+        out[0, -1] = -1
+    elif corruption == "long":
+        out = ref.select_topk(values, eligible, 60)[:, :k]
+        out[1, 0] = -1
+    elif corruption == "out_of_range":
+        out[0, 0] = 50
+    elif corruption == "ineligible":
+        out[1, 0] = 35
+    else:  # row 2 has 40 numbers: choosing a NaN over any of them is wrong
+        out[2, 0] = 41
+    with pytest.raises(AssertionError):
+        check_topk_result(values, eligible, k, out)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _good_logits_args():
+    inputs = OPS["mqa_logits"].make_inputs(LogitsProblem(3, 40), DEVICE, seed=0)
+    return inputs
+
+
+BAD_LOGITS_ARGS = [
+    (dict(q=torch.zeros(3, 32, 128)), TypeError, "q must be float8_e4m3fn or uint8"),
+    (dict(q=torch.zeros(3, 32, 100, dtype=torch.float8_e4m3fn)), ValueError, "head dim 100 is not supported"),
+    (dict(k=torch.zeros(40, 64, dtype=torch.float8_e4m3fn)), ValueError, r"k must have shape \[\*, 128\]"),
+    (dict(k=torch.zeros(40, 128, dtype=torch.uint8)), TypeError, "k must be float8_e4m3fn"),
+    (dict(k_scale=torch.ones(39)), ValueError, r"k_scale must have shape \[40\]"),
+    (dict(w=torch.ones(3, 16)), ValueError, r"w must have shape \[3, 32\]"),
+    (dict(ks=torch.zeros(3, dtype=torch.int64)), TypeError, "ks must be int32"),
+    (dict(ke=torch.tensor([1, 41, 2], dtype=torch.int32)), ValueError, r"ke\[1\] = 41 is out of range"),
+    (dict(ks=torch.tensor([0, 5, 0], dtype=torch.int32), ke=torch.tensor([1, 4, 2], dtype=torch.int32)),
+     ValueError, r"ke\[1\] = 4 is out of range: must be in \[5, 40\]"),
+    (dict(q_scale=torch.zeros(3, 32, 4, dtype=torch.uint8)), ValueError, "q_scale is for MXFP4"),
+    (dict(q=torch.zeros(3, 32, 64, dtype=torch.uint8), k=torch.zeros(40, 64, dtype=torch.uint8),
+          k_scale=torch.zeros(40, 4, dtype=torch.uint8)), ValueError, "q_scale is required for MXFP4"),
+    (dict(backend="triton", config={"nonsense": 1}), ValueError, "config: unknown keys"),
+]
+
+
+def _reject_launches(monkeypatch):
+    for op in OPS.values():
+        for impl in op.implementations:  # a launch would fail the test instead of raising the named error
+            monkeypatch.setattr(type(impl.kernel), "run", lambda *a: pytest.fail("a kernel ran despite bad input"))
+
+
+@pytest.mark.parametrize("changes, error, message", BAD_LOGITS_ARGS, ids=[m for _, _, m in BAD_LOGITS_ARGS])
+def test_bad_logits_arguments_are_named_before_launch(monkeypatch, changes, error, message):
+    _reject_launches(monkeypatch)
+    with pytest.raises(error, match=message):
+        flashkern.ops.mqa_logits(**{**_good_logits_args(), **on_device(changes)})
+
+
+def _good_paged_args():
+    return OPS["paged_mqa_logits"].make_inputs(PagedProblem(2, 3, 2, 16), DEVICE, seed=0)
+
+
+BAD_PAGED_ARGS = [
+    (dict(q=torch.zeros(2, 3, 32, 128, dtype=torch.float8_e4m3fn), w=torch.ones(6, 32)), ValueError,
+     "1 or 2 query tokens"),
+    (dict(context_lens=torch.tensor([48, 49], dtype=torch.int32)), ValueError, r"context_lens\[1\] = 49"),
+    (dict(block_table=torch.tensor([[0, 1, 2], [3, 99, 5]], dtype=torch.int32)), ValueError, r"block_table\[1, 1\] = 99"),
+    (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int64)), TypeError, "block_table must be int32"),
+    (dict(w=torch.ones(2, 32)), ValueError, r"w must have shape \[4, 32\]"),
+    (dict(k_scale=torch.ones(8, 16)), ValueError, r"k_scale must have shape \[9, 16\]"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD_PAGED_ARGS, ids=[m for _, _, m in BAD_PAGED_ARGS])
+def test_bad_paged_arguments_are_named_before_launch(monkeypatch, changes, error, message):
+    _reject_launches(monkeypatch)
+    with pytest.raises(error, match=message):
+        flashkern.ops.paged_mqa_logits(**{**_good_paged_args(), **on_device(changes)})
+
+
+BAD_SELECTION_ARGS = [
+    ("topk_indices", dict(logits=torch.zeros(3, 10).double()), TypeError, "logits must be float32"),
+    ("topk_indices", dict(ends=torch.tensor([1, 11, 2], dtype=torch.int32)), ValueError, r"ends\[1\] = 11"),
+    ("topk_indices", dict(starts=torch.tensor([0, 3, 0], dtype=torch.int32)), ValueError, r"starts\[1\] = 3"),
+    ("topk_indices", dict(k=0), ValueError, "k=0"),
+    ("topk_indices", dict(k=4.0), TypeError, "k must be an int"),
+    ("candidate_blocks", dict(row_end=torch.tensor([1, 2], dtype=torch.int32)), ValueError, r"row_end must have shape \[3\]"),
+    ("candidate_blocks", dict(block=0), ValueError, "block=0"),
+    ("candidate_blocks", dict(n_blocks=-1), ValueError, "n_blocks=-1"),
+]
+
+
+def _good_selection_args(name):
+    logits = torch.randn(3, 10)
+    if name == "topk_indices":
+        return dict(logits=logits, ends=torch.tensor([10, 2, 5], dtype=torch.int32), k=4,
+                    starts=torch.tensor([0, 2, 1], dtype=torch.int32))
+    return dict(logits=logits, row_end=torch.tensor([10, 2, 5], dtype=torch.int32), n_blocks=2, block=4)
+
+
+@pytest.mark.parametrize("name, changes, error, message", BAD_SELECTION_ARGS, ids=[m for *_, m in BAD_SELECTION_ARGS])
+def test_bad_selection_arguments_are_named_before_launch(monkeypatch, name, changes, error, message):
+    _reject_launches(monkeypatch)
+    with pytest.raises(error, match=message):
+        OPS[name].entry(**on_device({**_good_selection_args(name), **changes}))
+
+
+BAD_SPARSE_ARGS = [
+    (dict(blocks=torch.tensor([[0, 5], [1, -1], [2, 3]], dtype=torch.int32)), ValueError, r"blocks\[0, 1\] = 5"),
+    (dict(blocks=torch.tensor([[0, -2], [1, -1], [2, 3]], dtype=torch.int32)), ValueError, r"blocks\[0, 1\] = -2"),
+    (dict(blocks=torch.zeros(3, 0, dtype=torch.int32)), ValueError, "at least one candidate block"),
+    (dict(top_k=0), ValueError, "top_k=0"),
+]
+
+
+@pytest.mark.parametrize("changes, error, message", BAD_SPARSE_ARGS, ids=[m for _, _, m in BAD_SPARSE_ARGS])
+def test_bad_sparse_arguments_are_named_before_launch(monkeypatch, changes, error, message):
+    _reject_launches(monkeypatch)
+    args = {**_good_logits_args(), "blocks": torch.tensor([[0, 4], [1, -1], [2, 3]], dtype=torch.int32), "top_k": 8,
+            "block": 8}
+    with pytest.raises(error, match=message):
+        flashkern.ops.sparse_mqa_logits(**on_device({**args, **changes}))
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_empty_rows(backend):
+    for name, problem in (("mqa_logits", LogitsProblem(0, 30)), ("topk_indices", TopkProblem(0, 30, 4)),
+                          ("candidate_blocks", CandidateProblem(0, 30, 4, 8)),
+                          ("sparse_mqa_logits", SparseProblem(0, 30, 4, 8, 8))):
+        op = OPS[name]
+        out = op.entry(**op.make_inputs(problem, DEVICE), backend=backend)
+        assert out.shape[0] == 0, name
