@@ -55,5 +55,5 @@ def test_ci_runs_the_readme_test_command():
 
     root = Path(__file__).resolve().parent.parent
     commands = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("python3 -m venv")]
-    assert len(commands) == 2 and commands[1].endswith("python -m pytest")
+    assert len(commands) == 2 and "python -m pytest" in commands[1]
     assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
