@@ -209,7 +209,8 @@ def candidate_scores(q, k, k_scale, w, ks, ke, blocks, block=8, q_scale=None):
     inside = (positions >= ks[:, None]) & (positions < ke[:, None]) & (positions < k.shape[0])
     if k.shape[0] == 0:
         return positions, torch.full(positions.shape, -torch.inf, device=positions.device)
-    keys = dequantize_keys(k, k_scale)[positions.clamp(0, k.shape[0] - 1).long()]
+    gathered = positions.clamp(0, k.shape[0] - 1).long()
+    keys = dequantize_keys(k[gathered], k_scale[gathered])  # only the candidates' keys
     scores = score_keys(dequantize_queries(q, q_scale), w.float(), keys)
     return positions, scores.masked_fill(~inside, -torch.inf)
 
