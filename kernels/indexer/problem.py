@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-FORMATS = ("fp8", "mxfp4")
 
 
 @dataclass(frozen=True)
