@@ -225,6 +225,20 @@ def test_model_shapes_match_reference(name, backend):
     run_and_check(op, op.make_inputs(MODEL_SHAPES[name], DEVICE, seed=5), backend)
 
 
+WIDE_INDEXER_SHAPES = {  # the 64 x 128 indexer (V3.2-style), one format each
+    "mqa_logits": LogitsProblem(5, 700, Indexer(64, 128, "fp8")),
+    "paged_mqa_logits": PagedProblem(2, 4, 2, 64, Indexer(64, 128, "mxfp4")),
+    "sparse_mqa_logits": SparseProblem(3, 900, 64, 8, 128, Indexer(64, 128, "fp8")),
+}
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(WIDE_INDEXER_SHAPES))
+def test_64_heads_match_reference(name, backend):
+    op = OPS[name]
+    run_and_check(op, op.make_inputs(WIDE_INDEXER_SHAPES[name], DEVICE, seed=7), backend)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", sorted(MODEL_SHAPES))
 def test_repeated_runs_are_bitwise_identical(name, backend):
