@@ -12,8 +12,9 @@ import torch
 
 
 def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shape: Sequence[int | None],
-           device: torch.device | None = None) -> torch.Tensor:
-    """A tensor of the given dtype(s) and shape (None = any size), on `device`, with unit stride on its last dim."""
+           device: torch.device | None = None, contiguous: bool = False) -> torch.Tensor:
+    """A tensor of the given dtype(s) and shape (None = any size), on `device`, with unit stride on its last dim
+    (wholly contiguous when asked)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
@@ -26,6 +27,8 @@ def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shap
         raise ValueError(f"{name} must have shape {wanted}, got {list(sizes)}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the other inputs are on {device}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {list(value.stride())}); pass {name}.contiguous()")
     if sizes and sizes[-1] > 1:
         strides = value.stride()
         if strides[-1] != 1:

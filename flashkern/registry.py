@@ -18,10 +18,11 @@ defines OPERATORS, a test module, and one line in FAMILIES below.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from flashkern.autotune.space import Config, Space
 
@@ -29,6 +30,40 @@ FAMILIES = (
     "moe_route",
     "indexer",
 )
+
+
+class SizedProblem:
+    """Mixin for frozen problem dataclasses: `SIZES` names the per-call sizes (dynamic in the kernels).
+
+    The key lists every field (a field with its own `key`, e.g. a model description, by that key;
+    flags by name when set), so tuning tables and reports read the same.
+    """
+
+    SIZES: ClassVar[tuple[str, ...]]
+
+    @property
+    def key(self) -> str:
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "key"):
+                parts.append(value.key)
+            elif isinstance(value, bool):
+                parts += [f.name] if value else []
+            else:
+                parts.append(f"{f.name}={value}")
+        return " ".join(parts)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.SIZES)
+
+    def with_sizes(self, sizes):
+        return dataclasses.replace(self, **dict(zip(self.SIZES, sizes)))
+
+    def specialization(self):
+        """Everything a compiled kernel depends on: the problem without its sizes."""
+        return self.with_sizes((0,) * len(self.SIZES))
 
 
 @dataclass(frozen=True)

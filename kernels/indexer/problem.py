@@ -6,10 +6,10 @@ Sizes that vary per call (rows, key counts, batch) are dynamic in the kernels; e
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from flashkern.registry import SizedProblem
 
 
 @dataclass(frozen=True)
@@ -31,36 +31,6 @@ class Indexer:
 
 
 V41_INDEXER = Indexer(32, 128, "fp8")
-
-
-class SizedProblem:
-    """Mixin for frozen problem dataclasses: `SIZES` names the per-call sizes (dynamic in the kernels)."""
-
-    SIZES: ClassVar[tuple[str, ...]]
-
-    @property
-    def key(self) -> str:
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Indexer):
-                parts.append(value.key)
-            elif isinstance(value, bool):
-                parts += [f.name] if value else []
-            else:
-                parts.append(f"{f.name}={value}")
-        return " ".join(parts)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in self.SIZES)
-
-    def with_sizes(self, sizes):
-        return dataclasses.replace(self, **dict(zip(self.SIZES, sizes)))
-
-    def specialization(self):
-        """Everything a compiled kernel depends on: the problem without its sizes."""
-        return self.with_sizes((0,) * len(self.SIZES))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,86 @@
+"""Problem descriptions of the mHC family and the outputs every implementation allocates alike.
+
+The per-call sizes (matrices, tokens) are dynamic in the kernels; the hidden size D is part of the
+problem (tuning tables are per D) but TileLang and Triton take it at run time as well, so one
+compiled kernel serves every D. Scalars (iters and the epsilons) are run-time arguments too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from flashkern.reference.mhc import ChainOutputs, PreOutputs, mix_width
+from flashkern.registry import SizedProblem
+
+V41_STREAMS = 4
+MODEL_HIDDEN = (4096, 5120, 7168)  # D of the V4.1-Flash-class models the spec names
+
+
+@dataclass(frozen=True)
+class SinkhornProblem(SizedProblem):
+    """sinkhorn: a batch of `matrices` n x n logit matrices."""
+
+    matrices: int
+    n: int = V41_STREAMS
+    SIZES: ClassVar = ("matrices",)
+
+
+@dataclass(frozen=True)
+class MhcProblem(SizedProblem):
+    """mhc_pre / mhc_post / mhc_post_pre over `tokens` tokens of `streams` x `hidden` residual streams.
+
+    has_norm: the layer input is RMS-normalized (norm_weight given); delayed: the chain collapses the
+    layer input with a carried pre-mix.
+    """
+
+    tokens: int
+    hidden: int
+    streams: int = V41_STREAMS
+    has_norm: bool = False
+    delayed: bool = False
+    SIZES: ClassVar = ("tokens",)
+
+    @property
+    def mixes(self) -> int:
+        """Mix outputs per token: (2 + n) n."""
+        return mix_width(self.streams)
+
+    @property
+    def width(self) -> int:
+        """Flattened residual width n x D (the GEMM's reduction length)."""
+        return self.streams * self.hidden
+
+
+def empty_pre_outputs(problem: MhcProblem, device) -> PreOutputs:
+    t, n = problem.tokens, problem.streams
+    return PreOutputs(
+        layer_input=torch.empty(t, problem.hidden, dtype=torch.bfloat16, device=device),
+        pre=torch.empty(t, n, dtype=torch.float32, device=device),
+        post=torch.empty(t, n, dtype=torch.float32, device=device),
+        comb=torch.empty(t, n, n, dtype=torch.float32, device=device),
+    )
+
+
+def empty_residual(problem: MhcProblem, device) -> torch.Tensor:
+    return torch.empty(problem.tokens, problem.streams, problem.hidden, dtype=torch.bfloat16, device=device)
+
+
+def empty_chain_outputs(problem: MhcProblem, device) -> ChainOutputs:
+    return ChainOutputs(empty_residual(problem, device), *empty_pre_outputs(problem, device))
+
+
+def empty_partials(problem: MhcProblem, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partial sums of the GEMM stage: mixes [splits, T, (2+n)n] and sums of squares [splits, T], fp32."""
+    return (torch.empty(splits, problem.tokens, problem.mixes, dtype=torch.float32, device=device),
+            torch.empty(splits, problem.tokens, dtype=torch.float32, device=device))
+
+
+def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:
+    """(splits, chunk): the GEMM stage's K splits over D, each `chunk` columns (a multiple of block_d) of every
+    stream; split s covers d in [s * chunk, min(D, (s + 1) * chunk)). At most split_k splits, none empty."""
+    tiles = -(-hidden // block_d)
+    chunk = -(-tiles // max(1, min(split_k, tiles))) * block_d
+    return -(-hidden // chunk), chunk
