@@ -29,6 +29,7 @@ from flashkern.autotune.space import Config, Space
 FAMILIES = (
     "moe_route",
     "indexer",
+    "mhc",
 )
 
 

@@ -75,6 +75,10 @@ class Flavour:
             return T.Cast("float32", T.Cast("bfloat16", x))
         return codecs.bf16_to_f32(codecs.f32_to_bf16(x))
 
+    def store_bf16(self, x):
+        """fp32 x as a stored bf16 element (rounded to nearest, ties to even): bf16 on GPU, its bits on CPU."""
+        return T.Cast("bfloat16", x) if self.on_gpu else codecs.f32_to_bf16(x)
+
 
 CPU = Flavour(on_gpu=False)
 GPU = Flavour(on_gpu=True)

@@ -1,0 +1,454 @@
+"""mHC in Triton: Sinkhorn, the post mapping, and the pre block (alone or fused behind a post) in two launches.
+
+    sinkhorn:      m = softmax_rows(x) + eps; m /= col sums + eps; iters - 1 times: m /= row sums + eps, col sums + eps
+    post:          out[t, j, d] = bf16(sum_i comb[t, i, j] residual[t, i, d] + post[t, j] y[t, d])
+    pre:           mix[t, m] = (sum_{j,d} x[t, j, d] fn[m, j D + d]) * rsqrt(sum x^2 / (n D) + rms_eps)
+                   pre = sigmoid(mix[:n] s0 + b[:n]) + pre_eps, post = sigmoid(mix[n:2n] s1 + b[n:2n]) post_mult,
+                   comb = sinkhorn(mix[2n:] as [n, n] s2 + b[2n:]),
+                   layer_input[t, d] = bf16(sum_i p_i residual[t, i, d]), then optionally
+                   bf16(li rsqrt(mean(li^2) + norm_eps) norm_weight) over the rounded li
+    post_pre:      pre on x = post(y, residual, post, comb) (stored as the new residual), p = pre_mix when delayed
+
+Tile plan (n streams padded to NP, a power of two; padded streams and D tails are masked):
+  sinkhorn:  a program owns BLOCK_B matrices as a [BLOCK_B, NP, NP] tile and iterates in registers.
+  post:      grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)); a program forms the [BLOCK_T, NP, BLOCK_D] output tile,
+             one input stream at a time (fp32 sum over i, then + post y, rounded to nearest-even bf16).
+  pre, GEMM stage: grid (cdiv(T, BLOCK_T), splits) with (splits, chunk) = split_plan(D, split_k, BLOCK_D);
+             program (tile, s) owns BLOCK_T tokens and columns [s chunk, min(D, (s + 1) chunk)) of every
+             stream. Per BLOCK_D step it holds x [BLOCK_T, NP, BLOCK_D] in fp32 (the residual, or for
+             post_pre the post tile computed by the post kernel's helper, stored as the new residual and used
+             rounded), adds its squares to sq and one dot [BLOCK_T, NP BLOCK_D] x [NP BLOCK_D, M_PAD] (fn^T,
+             M = (2 + n) n mixes padded to M_PAD >= 16) to the mixes; it writes the partials
+             mix_parts[s, t, :M] and sq_parts[s, t].
+  pre, epilogue: a program per BLOCK_T tokens sums the partials in split order 0..S-1, forms the gates, runs the
+             Sinkhorn helper on a [BLOCK_T, NP, NP] tile, then collapses the residual BLOCK_D columns at a time
+             (with HAS_NORM, a second pass rescales the stored bf16 layer input).
+The GEMM reaches fp32 accuracy in two tf32 MMAs (x holds bf16 values, exact in tf32; fn is split in a tf32
+high part and the exact rest). Every sum has a fixed order, so repeated runs are bitwise identical. Token rows
+are addressed in int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import flashkern
+from flashkern.autotune.space import Space
+from flashkern.kernels._triton import Launch, round_to_bf16
+from flashkern.kernels.mhc.problem import (empty_chain_outputs, empty_partials, empty_pre_outputs, empty_residual,
+                                           split_plan)
+from flashkern.reference.mhc import mix_width
+
+
+@triton.jit
+def _sinkhorn(logits, N: tl.constexpr, iters, eps):
+    """Sinkhorn of a [B, NP, NP] fp32 logits tile whose first N rows and columns are real (padding stays 0)."""
+    NP: tl.constexpr = logits.shape[1]
+    row_ok = tl.arange(0, NP)[None, :, None] < N
+    col_ok = tl.arange(0, NP)[None, None, :] < N
+    ok = row_ok & col_ok
+    x = tl.where(ok, logits, float("-inf"))
+    row_max = tl.where(row_ok, tl.max(x, axis=2, keep_dims=True), 0.0)
+    e = tl.exp(x - row_max)
+    m = tl.where(ok, e / tl.where(row_ok, tl.sum(e, axis=2, keep_dims=True), 1.0) + eps, 0.0)
+    m = m / tl.where(col_ok, tl.sum(m, axis=1, keep_dims=True) + eps, 1.0)
+    for _ in range(1, iters):
+        m = m / tl.where(row_ok, tl.sum(m, axis=2, keep_dims=True) + eps, 1.0)
+        m = m / tl.where(col_ok, tl.sum(m, axis=1, keep_dims=True) + eps, 1.0)
+    return m
+
+
+@triton.jit
+def _post_tile(y_ptr, res_ptr, post_ptr, comb_ptr, t, t_ok, d, D, N: tl.constexpr, NP: tl.constexpr):
+    """bf16(sum_i comb[t, i, j] residual[t, i, d] + post[t, j] y[t, d]) as fp32 [BT, NP, BD], 0 where masked.
+
+    t: token ids [BT, 1, 1] (int64) with their mask t_ok; d: columns [1, 1, BD], real where d < D.
+    """
+    j = tl.arange(0, NP)[None, :, None]
+    gate_ok = t_ok & (j < N)
+    row_ok = t_ok & (d < D)
+    mixed = tl.zeros((t.shape[0], NP, d.shape[2]), tl.float32)
+    for i in tl.static_range(N):
+        c = tl.load(comb_ptr + t * (N * N) + i * N + j, mask=gate_ok, other=0.0)
+        r = tl.load(res_ptr + t * (N * D) + i * D + d, mask=row_ok, other=0.0).to(tl.float32)
+        mixed += c * r
+    y = tl.load(y_ptr + t * D + d, mask=row_ok, other=0.0).to(tl.float32)
+    return round_to_bf16(mixed + tl.load(post_ptr + t * N + j, mask=gate_ok, other=0.0) * y)
+
+
+@triton.jit
+def _dot_bf16_fp32(x, w, acc):
+    """acc + x @ w for fp32 x holding bf16 values and fp32 w, to about fp32 accuracy in two tf32 MMAs.
+
+    x is exact in tf32, so only w needs splitting: w = hi + lo with hi its top 19 bits (a tf32 value) and lo the
+    exact rest (Triton's tf32x3 with x's low part 0, one MMA less and no split copy of x).
+    """
+    w_hi = (w.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    acc = tl.dot(x, w_hi, acc, input_precision="tf32")
+    return tl.dot(x, w - w_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def mhc_sinkhorn_kernel(x_ptr, out_ptr, matrices, iters, eps,
+                        N: tl.constexpr, NP: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Sinkhorn of matrices [BLOCK_B program, +BLOCK_B) of x [matrices, N, N]."""
+    b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[:, None, None]
+    i = tl.arange(0, NP)[None, :, None]
+    j = tl.arange(0, NP)[None, None, :]
+    offset = b * (N * N) + i * N + j
+    ok = (b < matrices) & (i < N) & (j < N)
+    m = _sinkhorn(tl.load(x_ptr + offset, mask=ok, other=0.0), N, iters, eps)
+    tl.store(out_ptr + offset, m, mask=ok)
+
+
+@triton.jit
+def mhc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """New residual streams of tokens [BLOCK_T program_id(0), +BLOCK_T), columns [BLOCK_D program_id(1), +BLOCK_D)."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    j = tl.arange(0, NP)[None, :, None]
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[None, None, :]
+    x = _post_tile(y_ptr, res_ptr, post_ptr, comb_ptr, t, t < T, d, D, N, NP)
+    tl.store(out_ptr + t * (N * D) + j * D + d, x.to(tl.bfloat16), mask=(t < T) & (j < N) & (d < D))
+
+
+@triton.jit
+def mhc_gemm_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr,
+                    y_ptr, post_ptr, comb_ptr, new_res_ptr,  # HAS_POST: the post mapping feeding the GEMM
+                    T, D, chunk,
+                    N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POST: tl.constexpr):
+    """Split-K partial mixes and sums of squares of tokens [BLOCK_T program_id(0), +BLOCK_T), split program_id(1)."""
+    split = tl.program_id(1)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t3 = t[:, None, None]
+    j3 = tl.arange(0, NP)[None, :, None]
+    # fn^T rows k = j BLOCK_D + (d - d0): the order of x's [NP, BLOCK_D] columns flattened
+    k = tl.arange(0, NP * BLOCK_D)
+    k_stream = k // BLOCK_D
+    k_column = k % BLOCK_D
+    m = tl.arange(0, M_PAD)
+    fn_cols = fn_ptr + m[None, :] * (N * D)
+    acc = tl.zeros((BLOCK_T, M_PAD), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    start = split * chunk
+    for d0 in range(start, tl.minimum(D, start + chunk), BLOCK_D):
+        d3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
+        x_ok = (t3 < T) & (j3 < N) & (d3 < D)
+        if HAS_POST:
+            x = _post_tile(y_ptr, res_ptr, post_ptr, comb_ptr, t3, t3 < T, d3, D, N, NP)
+            tl.store(new_res_ptr + t3 * (N * D) + j3 * D + d3, x.to(tl.bfloat16), mask=x_ok)
+        else:
+            x = tl.load(res_ptr + t3 * (N * D) + j3 * D + d3, mask=x_ok, other=0.0).to(tl.float32)
+        sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
+        fn_ok = (k_stream < N) & (d0 + k_column < D)
+        w = tl.load(fn_cols + (k_stream * D + d0 + k_column)[:, None], mask=fn_ok[:, None] & (m < M)[None, :],
+                    other=0.0)
+        acc = _dot_bf16_fp32(tl.reshape(x, (BLOCK_T, NP * BLOCK_D)), w, acc)
+    t_ok = t < T
+    part = split * T + t
+    tl.store(mix_parts_ptr + part[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
+    tl.store(sq_parts_ptr + part, sq, mask=t_ok)
+
+
+@triton.jit
+def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_mix_ptr, norm_ptr,
+                        li_ptr, pre_ptr, post_ptr, comb_ptr,
+                        T, D, splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
+                        N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, DELAYED: tl.constexpr,
+                        HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Gates, Sinkhorn and layer input of tokens [BLOCK_T program_id(0), +BLOCK_T) from the GEMM stage's partials."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    t2 = t[:, None]
+    i2 = tl.arange(0, NP)[None, :]
+    t3 = t[:, None, None]
+    i3 = tl.arange(0, NP)[None, :, None]
+    j3 = tl.arange(0, NP)[None, None, :]
+    gate_ok = t_ok[:, None] & (i2 < N)
+    comb_real = (i3 < N) & (j3 < N)
+    comb_ok = t_ok[:, None, None] & comb_real
+    comb_at = i3 * N + j3
+    # 1. split sums, in split order
+    pre_mix = tl.zeros((BLOCK_T, NP), tl.float32)
+    post_mix = tl.zeros((BLOCK_T, NP), tl.float32)
+    comb_mix = tl.zeros((BLOCK_T, NP, NP), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    for s in range(splits):
+        part = s * T + t
+        row2 = mix_parts_ptr + part[:, None] * M
+        pre_mix += tl.load(row2 + i2, mask=gate_ok, other=0.0)
+        post_mix += tl.load(row2 + N + i2, mask=gate_ok, other=0.0)
+        comb_mix += tl.load(mix_parts_ptr + part[:, None, None] * M + 2 * N + comb_at, mask=comb_ok, other=0.0)
+        sq += tl.load(sq_parts_ptr + part, mask=t_ok, other=0.0)
+    # 2. gates and Sinkhorn (rows past T compute on zeros and are not stored)
+    inv_rms = 1.0 / tl.sqrt(sq / (N * D) + rms_eps)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre_logit = pre_mix * inv_rms[:, None] * s0 + tl.load(base_ptr + i2, mask=i2 < N, other=0.0)
+    pre = 1.0 / (1.0 + tl.exp(-pre_logit)) + pre_eps
+    post_logit = post_mix * inv_rms[:, None] * s1 + tl.load(base_ptr + N + i2, mask=i2 < N, other=0.0)
+    post = 1.0 / (1.0 + tl.exp(-post_logit)) * post_mult
+    comb_logit = (comb_mix * inv_rms[:, None, None] * s2
+                  + tl.load(base_ptr + 2 * N + comb_at, mask=comb_real, other=0.0))
+    comb = _sinkhorn(comb_logit, N, iters, sinkhorn_eps)
+    tl.store(pre_ptr + t2 * N + i2, pre, mask=gate_ok)
+    tl.store(post_ptr + t2 * N + i2, post, mask=gate_ok)
+    tl.store(comb_ptr + t3 * (N * N) + comb_at, comb, mask=comb_ok)
+    # 3. layer input: bf16(sum_i p_i residual_i), optionally RMS-normalized over the rounded values
+    if DELAYED:
+        p = tl.load(pre_mix_ptr + t2 * N + i2, mask=gate_ok, other=0.0)
+    else:
+        p = pre
+    res_rows = res_ptr + t3 * (N * D) + i3 * D
+    li_rows = li_ptr + t2 * D
+    ssq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        row_ok = t_ok[:, None] & (d < D)[None, :]
+        r = tl.load(res_rows + d[None, None, :], mask=row_ok[:, None, :] & (i3 < N), other=0.0).to(tl.float32)
+        li = round_to_bf16(tl.sum(p[:, :, None] * r, axis=1))
+        tl.store(li_rows + d[None, :], li.to(tl.bfloat16), mask=row_ok)
+        if HAS_NORM:
+            ssq += li * li
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(ssq, axis=1) / D + norm_eps)
+        tl.debug_barrier()  # the stored layer input is read back below
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            row_ok = t_ok[:, None] & (d < D)[None, :]
+            li = tl.load(li_rows + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            g = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(li_rows + d[None, :], round_to_bf16(li * inv[:, None] * g[None, :]).to(tl.bfloat16), mask=row_ok)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _streams(n: int) -> dict:
+    return dict(N=n, NP=triton.next_power_of_2(n))
+
+
+def _mix_pad(n: int) -> int:
+    """Mixes padded to a power of two >= 16 (tl.dot's smallest N side)."""
+    return max(16, triton.next_power_of_2(mix_width(n)))
+
+
+def plan_sinkhorn(problem, inputs: dict, config: dict):
+    """Sinkhorn of x [..., n, n]: a program per block_b matrices."""
+    x = inputs["x"]
+    out = torch.empty_like(x)
+    launch = Launch(mhc_sinkhorn_kernel, grid=(triton.cdiv(problem.matrices, config["block_b"]),),
+                    args=dict(x_ptr=x, out_ptr=out, matrices=problem.matrices, iters=int(inputs["iters"]),
+                              eps=float(inputs["eps"]), BLOCK_B=config["block_b"], **_streams(problem.n)),
+                    num_warps=config["num_warps"])
+    return launch, out
+
+
+def plan_post(problem, inputs: dict, config: dict):
+    """New residual streams [T, n, D]: a program per token and block_d columns."""
+    out = empty_residual(problem, inputs["y"].device)
+    grid = (triton.cdiv(problem.tokens, config["block_t"]), triton.cdiv(problem.hidden, config["block_d"]))
+    launch = Launch(mhc_post_kernel, grid=grid,
+                    args=dict(y_ptr=inputs["y"], res_ptr=inputs["residual"], post_ptr=inputs["post"],
+                              comb_ptr=inputs["comb"], out_ptr=out, T=problem.tokens, D=problem.hidden,
+                              BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], **_streams(problem.streams)),
+                    num_warps=config["num_warps"])
+    return launch, out
+
+
+def _pre_launches(problem, inputs: dict, config: dict, outputs, post_args: dict | None) -> tuple[Launch, Launch]:
+    """The GEMM stage (on the post mapping when post_args are given) and the epilogue."""
+    t, d, n = problem.tokens, problem.hidden, problem.streams
+    residual = inputs["residual"]
+    splits, chunk = split_plan(d, config["split_k"], config["block_d"])
+    mix_parts, sq_parts = empty_partials(problem, splits, residual.device)
+    has_post = post_args is not None
+    gemm = Launch(
+        mhc_gemm_kernel, grid=(triton.cdiv(t, config["block_t"]), splits),
+        args=dict(res_ptr=residual, fn_ptr=inputs["fn"], mix_parts_ptr=mix_parts, sq_parts_ptr=sq_parts,
+                  **(post_args if has_post else dict.fromkeys(("y_ptr", "post_ptr", "comb_ptr", "new_res_ptr"))),
+                  T=t, D=d, chunk=chunk, M=problem.mixes, M_PAD=_mix_pad(n), BLOCK_T=config["block_t"],
+                  BLOCK_D=config["block_d"], HAS_POST=has_post, **_streams(n)),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    epilogue = Launch(
+        mhc_epilogue_kernel, grid=(triton.cdiv(t, config["epi_block_t"]),),
+        args=dict(res_ptr=outputs.residual if has_post else residual, mix_parts_ptr=mix_parts,
+                  sq_parts_ptr=sq_parts, scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
+                  pre_mix_ptr=inputs["pre_mix"] if problem.delayed else None,
+                  norm_ptr=inputs["norm_weight"], li_ptr=outputs.layer_input, pre_ptr=outputs.pre,
+                  post_ptr=outputs.post, comb_ptr=outputs.comb, T=t, D=d, splits=splits,
+                  rms_eps=float(inputs["rms_eps"]), pre_eps=float(inputs["pre_eps"]),
+                  sinkhorn_eps=float(inputs["sinkhorn_eps"]), post_mult=float(inputs["post_mult"]),
+                  iters=int(inputs["iters"]), norm_eps=float(inputs["norm_eps"]), M=problem.mixes,
+                  DELAYED=problem.delayed, HAS_NORM=problem.has_norm, BLOCK_T=config["epi_block_t"],
+                  BLOCK_D=config["epi_block_d"], **_streams(n)),
+        num_warps=config["epi_warps"])
+    return gemm, epilogue
+
+
+def plan_pre(problem, inputs: dict, config: dict):
+    """PreOutputs(layer_input, pre, post, comb): the GEMM stage on the residual, then the epilogue."""
+    outputs = empty_pre_outputs(problem, inputs["residual"].device)
+    return _pre_launches(problem, inputs, config, outputs, None), outputs
+
+
+def plan_post_pre(problem, inputs: dict, config: dict):
+    """ChainOutputs(residual, layer_input, pre, post, comb): the GEMM stage on the post mapping (stored as the new
+    residual), then the epilogue on the new residual."""
+    outputs = empty_chain_outputs(problem, inputs["residual"].device)
+    post_args = dict(y_ptr=inputs["y"], post_ptr=inputs["post"], comb_ptr=inputs["comb"],
+                     new_res_ptr=outputs.residual)
+    return _pre_launches(problem, inputs, config, outputs, post_args), outputs
+
+
+# ---------------------------------------------------------------- spaces and defaults
+# Register model, measured with ptxas (sm_90a, Triton 3.9).
+# GEMM stage: what matters is the x tile [block_t, NP block_d] plus the fn^T tile [NP block_d, M_PAD] in fp32
+# per thread (the dot operands, fn's split, the post tile's inputs). At 24 values per thread every build with
+# 2 or 3 stages was clean (n = 1, 2, 4, 8; 120-255 registers, the most with HAS_POST); at 32, 7 of 9 spilled
+# (24-764 B), at 40 and more every HAS_POST build. One stage (no pipelining) spilled in 6 of 17 sampled builds
+# within the limits (16-636 B, HAS_POST), 2 and 3 stages in none of 25: the space has 2 and 3. Steps narrower
+# than 16 columns spill at fewer values (n = 4 block_t 128 x block_d 8: 48 B; n = 8 block_t 32 x block_d 4:
+# 800 B) but were clean in 16-row tiles, which n = 8 needs (its 80 mixes pad to 128). Shared memory stays under
+# 60 KB within these limits.
+# Epilogue: [epi_block_t, NP, epi_block_d] tiles plus [epi_block_t, epi_block_d]: 32 columns per thread at n = 4
+# take 128 registers with the norm pass, 64 columns at n = 1 or 2 take 204-251 (no spill): the limit counts NP as
+# >= 4. Token blocks of 1-8 at 128 values per thread built clean (144-204 registers); 16 and more spilled even at
+# 64 values per thread (4-2852 B: their [epi_block_t, NP, NP] gate tiles).
+# Post kernel: [NP, block_d]; 64 values per thread take 128 registers, 128 take 211-255, 256 spill (4104 B).
+# Sinkhorn: [block_b, NP, NP] with a few tiles live; 64 values per thread take 145-208 registers, 128 spill.
+MAX_NUMEL = 2**20  # Triton's largest tensor
+SMS = 132  # H200
+GEMM_VALUES_PER_THREAD = 24
+
+
+def _sinkhorn_values_per_thread(problem, config) -> int:
+    return config["block_b"] * triton.next_power_of_2(problem.n) ** 2 // (32 * config["num_warps"])
+
+
+SINKHORN_SPACE = Space(
+    params={"block_b": tuple(2**e for e in range(11)), "num_warps": (1, 2, 4, 8)},
+    gpu_only=("num_warps",),
+    limits={"block_b x n^2 / threads <= 64 (registers)": lambda p, c: _sinkhorn_values_per_thread(p, c) <= 64},
+)
+
+
+def sinkhorn_default(problem) -> dict:
+    """GPU: 4 warps, 4 values per thread, fewer matrices per program while that leaves under 2 programs per SM.
+    Interpreter (each tl op costs about the same whatever its size): up to 1024 matrices per program."""
+    if flashkern.triton_interpreted():
+        return {"block_b": min(1024, triton.next_power_of_2(max(1, problem.matrices))), "num_warps": 4}
+    block_b = max(1, 512 // triton.next_power_of_2(problem.n) ** 2)
+    while block_b > 1 and triton.cdiv(problem.matrices, block_b) < 2 * SMS:
+        block_b //= 2
+    return {"block_b": block_b, "num_warps": 4}
+
+
+TOKEN_BLOCKS = (1, 2, 4, 8, 16, 32, 64)
+INTERPRETED_TILE = 2**16  # values per interpreted tile: large enough that the per-op cost amortizes
+
+
+def _interpreted_tokens(problem, width: int) -> int:
+    """Tokens per program under the interpreter: as many as fit a tile of `width` values each (at most 64)."""
+    return max(1, min(64, triton.next_power_of_2(max(1, problem.tokens)), INTERPRETED_TILE // width))
+
+
+def _post_values_per_thread(problem, config) -> int:
+    tile = config["block_t"] * triton.next_power_of_2(problem.streams) * config["block_d"]
+    return tile // (32 * config["num_warps"])
+
+
+POST_SPACE = Space(
+    params={"block_t": TOKEN_BLOCKS, "block_d": tuple(2**e for e in range(6, 13)), "num_warps": (1, 2, 4, 8)},
+    gpu_only=("num_warps",),
+    constraints={"block_t x n x block_d <= 2^20 (Triton's largest tensor)":
+                 lambda p, c: c["block_t"] * triton.next_power_of_2(p.streams) * c["block_d"] <= MAX_NUMEL},
+    limits={"block_t x n x block_d / threads <= 64 (registers)":
+            lambda p, c: _post_values_per_thread(p, c) <= 64},
+)
+
+
+def post_default(problem) -> dict:
+    """GPU: a token per program on 4 warps, 16 values per thread, narrower tiles (down to 128 columns) while under
+    2 programs per SM. Interpreter: up to 4096 columns and 2^16 values per program."""
+    np_ = triton.next_power_of_2(problem.streams)
+    if flashkern.triton_interpreted():
+        block_d = max(64, min(4096, triton.next_power_of_2(problem.hidden)))
+        return {"block_t": _interpreted_tokens(problem, np_ * block_d), "block_d": block_d, "num_warps": 4}
+    block_d = max(64, 2048 // np_)
+    while block_d > 128 and problem.tokens * triton.cdiv(problem.hidden, block_d) < 2 * SMS:
+        block_d //= 2
+    return {"block_t": 1, "block_d": block_d, "num_warps": 4}
+
+
+def _dot_k(problem, config) -> int:
+    """The GEMM stage's reduction length per step, NP x block_d."""
+    return triton.next_power_of_2(problem.streams) * config["block_d"]
+
+
+def _gemm_values(problem, config) -> int:
+    """The x [block_t, K] and fn^T [K, M_PAD] tiles of the GEMM stage."""
+    return _dot_k(problem, config) * (config["block_t"] + _mix_pad(problem.streams))
+
+
+def _epilogue_values_per_thread(problem, config) -> int:
+    """The [epi_block_t, NP, epi_block_d] tile per thread, counted at NP >= 4 (the [epi_block_d] vectors weigh as
+    much)."""
+    tile = config["epi_block_t"] * max(4, triton.next_power_of_2(problem.streams)) * config["epi_block_d"]
+    return tile // (32 * config["epi_warps"])
+
+
+PRE_SPACE = Space(
+    params={"block_t": (16, 32, 64, 128), "block_d": tuple(2**e for e in range(2, 10)),
+            "split_k": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (2, 3),
+            "epi_block_t": TOKEN_BLOCKS, "epi_block_d": tuple(2**e for e in range(7, 13)), "epi_warps": (1, 2, 4, 8)},
+    gpu_only=("num_warps", "num_stages", "epi_warps"),
+    constraints={
+        "n x block_d >= 16 (tl.dot's smallest K)": lambda p, c: _dot_k(p, c) >= 16,
+        "x and fn tiles <= 2^20 values (Triton's largest tensor)":
+            lambda p, c: _dot_k(p, c) * max(c["block_t"], _mix_pad(p.streams)) <= MAX_NUMEL,
+        "epi_block_t x n x epi_block_d <= 2^20 (Triton's largest tensor)":
+            lambda p, c: c["epi_block_t"] * triton.next_power_of_2(p.streams) * c["epi_block_d"] <= MAX_NUMEL,
+    },
+    limits={
+        f"n x block_d x (block_t + mixes) / threads <= {GEMM_VALUES_PER_THREAD} (registers)":
+            lambda p, c: _gemm_values(p, c) // (32 * c["num_warps"]) <= GEMM_VALUES_PER_THREAD,
+        "block_d >= 16 unless block_t = 16 (registers)": lambda p, c: c["block_d"] >= 16 or c["block_t"] == 16,
+        "epi_block_t x max(n, 4) x epi_block_d / threads <= 128 (registers)":
+            lambda p, c: _epilogue_values_per_thread(p, c) <= 128,
+        "epi_block_t <= 8 (registers: the gate and Sinkhorn tiles of 16 tokens spilled)":
+            lambda p, c: c["epi_block_t"] <= 8,
+    },
+)
+
+
+def pre_default(problem) -> dict:
+    """GPU: token tiles of 16 to 64 rows on 8 warps, block_d the widest within the register limits (up to 64;
+    below 16 in 16-row tiles), 2 stages; split_k so that tiles x splits ~ 2 programs per SM, with at least 4
+    block_d steps per split; the epilogue a token per program at 32 values per thread on 4 warps. Interpreter: one
+    split and the widest tiles, 2^16 values of tokens per epilogue program (each tl op costs about the same whatever
+    its size)."""
+    np_ = triton.next_power_of_2(problem.streams)
+    block_t = max(16, min(64, triton.next_power_of_2(max(1, problem.tokens))))
+    if flashkern.triton_interpreted():
+        block_d = max(16, min(512, triton.next_power_of_2(problem.hidden)))
+        epi_block_d = max(128, min(4096, triton.next_power_of_2(problem.hidden)))
+        return {"block_t": block_t, "block_d": block_d, "split_k": 1, "num_warps": 8, "num_stages": 2,
+                "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
+                "epi_warps": 4}
+    config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 8, "num_stages": 2,
+              "epi_block_t": 1, "epi_block_d": max(128, 4096 // np_), "epi_warps": 4}
+    while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
+        if config["block_d"] > 16 or config["block_t"] == 16:
+            config["block_d"] //= 2
+        else:
+            config["block_t"] //= 2
+    tiles = triton.cdiv(max(1, problem.tokens), block_t)
+    while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
+           and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):
+        config["split_k"] *= 2
+    return config

@@ -1,0 +1,265 @@
+"""mHC: Sinkhorn, pre, post and the V4.1 chain, every implementation against the reference.
+
+Hypothesis draws the stream count, token counts and hidden sizes with odd tails (D = 1, 37, 100, ...,
+and the model's 4096 / 5120 / 7168 at a few tokens), how values look (normal; large epsilons and few
+iterations, which make every epsilon and the iteration order visible; all-zero token rows; huge
+magnitudes; a token row holding NaN or inf, which must stay in its row), norm on and off, delayed on
+and off. The comparison is the operator's own (kernels/mhc: fp32 gates within 1e-3, bf16
+outputs at SPECS.md's atol 5e-2 / rtol 1e-2, Sinkhorn at assert_close's fp32 defaults); the properties
+the spec names are checked on kernel outputs besides, and the chain against its composition at 1e-2.
+"""
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import flashkern.ops
+from _budget import fraction_of_examples
+from _device import DEVICE, on_device
+from flashkern import registry
+from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
+from flashkern.reference import mhc as ref
+
+KERNELS = ("triton", "tilelang")
+OPS = {name: registry.get(name) for name in ("sinkhorn", "mhc_pre", "mhc_post", "mhc_post_pre")}
+ODD_HIDDEN = (1, 7, 37, 100, 256, 300)
+VALUE_MODES = ("normal", "large_eps", "zero_rows", "huge", "nonfinite_row")
+
+
+def _seed(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+
+
+@st.composite
+def sinkhorn_cases(draw):
+    n = draw(st.integers(1, 8))
+    lead = draw(st.sampled_from([(), (1,), (37,), (3, 5), (130,)]))
+    spread = draw(st.sampled_from([0.1, 2.0, 30.0]))
+    gen = _seed(draw)
+    x = spread * torch.randn(*lead, n, n, generator=gen)
+    mode = draw(st.sampled_from(["normal", "ties", "huge"]))
+    if mode == "ties":  # equal rows and equal entries
+        x = torch.randint(-1, 2, x.shape, generator=gen).float()
+    elif mode == "huge":
+        x = torch.where(torch.rand(x.shape, generator=gen) < 0.3, 1e4 * torch.sign(x), x)
+    iters, eps = draw(st.sampled_from([1, 2, 3, 20, 50])), draw(st.sampled_from([1e-6, 0.0, 0.1]))
+    note(f"shape={list(x.shape)} spread={spread} mode={mode} iters={iters} eps={eps}")
+    return on_device(dict(x=x, iters=iters, eps=eps))
+
+
+def _fill(gen: torch.Generator, inputs: dict, mode: str) -> dict:
+    """Apply a value mode to made inputs (see the module docstring)."""
+    residual = inputs["residual"].float()
+    tokens = residual.shape[0]
+    if mode == "large_eps":  # mhc_post has no scalars
+        large = dict(rms_eps=0.5, pre_eps=0.25, sinkhorn_eps=0.1, post_mult=1.5, norm_eps=0.3,
+                     iters=int(torch.randint(1, 4, (1,), generator=gen)))
+        inputs.update({k: v for k, v in large.items() if k in inputs})
+    elif mode == "zero_rows":
+        residual[torch.rand(tokens, generator=gen) < 0.3] = 0
+    elif mode == "huge":
+        residual *= 3e3
+    elif mode == "nonfinite_row":
+        residual[int(torch.randint(0, tokens, (1,), generator=gen)), 0, 0] = float("nan" if tokens % 2 else "inf")
+    inputs["residual"] = residual.to(torch.bfloat16)
+    return inputs
+
+
+@st.composite
+def mhc_problems(draw, op: str):
+    tokens = draw(st.integers(1, 24)) if draw(st.integers(0, 2)) else draw(st.integers(25, 300))
+    hidden = draw(st.sampled_from(ODD_HIDDEN))
+    if draw(st.integers(0, 9)) == 0:  # now and then a model width at a few tokens
+        tokens, hidden = draw(st.integers(1, 3)), draw(st.sampled_from([4096, 5120, 7168]))
+    streams = draw(st.sampled_from([4, 4, 4, 2, 1, 8]))
+    chain = op == "mhc_post_pre"
+    return MhcProblem(tokens, hidden, streams, has_norm=op != "mhc_post" and draw(st.booleans()),
+                      delayed=chain and draw(st.booleans()))
+
+
+@st.composite
+def mhc_cases(draw, op: str):
+    problem = draw(mhc_problems(op))
+    gen = _seed(draw)
+    inputs = OPS[op].make_inputs(problem, "cpu", seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+    mode = draw(st.sampled_from(VALUE_MODES))
+    note(f"{problem.key} mode={mode}")
+    return on_device(_fill(gen, inputs, mode))
+
+
+def cases(op: str):
+    return sinkhorn_cases() if op == "sinkhorn" else mhc_cases(op)
+
+
+def run_and_check(op, inputs, backend, config=None):
+    expected = op.reference(**inputs)
+    actual = op.entry(**inputs, backend=backend, config=config)
+    op.compare(inputs, expected, actual)
+    return actual
+
+
+def assert_gate_properties(pre, post, comb, inputs: dict) -> None:
+    """pre > pre_eps - tiny, 0 <= post <= post_mult, comb >= 0 (rows with NaN/inf inputs excepted)."""
+    finite = torch.isfinite(comb).flatten(1).all(dim=1)
+    assert (comb[finite] >= 0).all(), "negative comb entries"
+    assert (pre[finite] >= inputs["pre_eps"] - 1e-6).all() and (post[finite] >= 0).all()
+    assert (post[finite] <= abs(inputs["post_mult"]) * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(OPS))
+@given(data=st.data())
+def test_matches_reference(name, backend, data):
+    inputs = data.draw(cases(name))
+    actual = run_and_check(OPS[name], inputs, backend)
+    if name in ("mhc_pre", "mhc_post_pre"):
+        assert_gate_properties(actual.pre.cpu(), actual.post.cpu(), actual.comb.cpu(), inputs)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@fraction_of_examples(1 / 4)
+@given(data=st.data())
+def test_sampled_configs_match_reference(backend, data):
+    """Any config of each tuning space (not only the default) is correct; the operator is drawn too, since
+    each TileLang config is a C compile."""
+    op = OPS[data.draw(st.sampled_from(sorted(OPS)))]
+    inputs = data.draw(cases(op.name))
+    impl = op.implementation(backend)
+    config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs), target=DEVICE.type)))
+    note(f"{op.name} config={config}")
+    run_and_check(op, inputs, backend, config)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_sinkhorn_after_20_iterations_is_doubly_stochastic(backend):
+    """Logits ~ N(0, 1): after the default 20 iterations rows and columns sum to 1 (columns were just
+    normalized: within 1e-5; rows within 1e-3), entries are non-negative. (Wider logits converge slower:
+    at N(0, 2^2) one matrix in 10 is still 1e-3 off in a row after 20 iterations, in the reference too.)"""
+    x = on_device(dict(x=torch.randn(500, 4, 4, generator=torch.Generator().manual_seed(3))))["x"]
+    comb = flashkern.ops.sinkhorn(x, backend=backend).cpu()
+    assert (comb >= 0).all()
+    torch.testing.assert_close(comb.sum(dim=-2), torch.ones(500, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(dim=-1), torch.ones(500, 4), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("hidden", [4096, 5120, 7168])
+def test_model_chain_matches_reference_and_the_unfused_composition(backend, hidden):
+    """V4.1 at the model widths: the delayed chain with the fused RMSNorm equals the reference, and equals
+    this backend's own mhc_post then mhc_pre (the new residual bitwise; the layer input collapsed with the
+    carried pre-mix, as the reference does). Repeated runs are bitwise identical."""
+    problem = MhcProblem(3, hidden, delayed=True, has_norm=True)
+    op = OPS["mhc_post_pre"]
+    inputs = op.make_inputs(problem, DEVICE, seed=hidden)
+    chain = run_and_check(op, inputs, backend)
+    again = op.entry(**inputs, backend=backend)
+    for first, second in zip(chain, again):
+        assert torch.equal(first, second), "repeated runs differ"
+
+    post_args = {k: inputs[k] for k in ("y", "residual", "post", "comb")}
+    pre_args = {k: v for k, v in inputs.items() if k not in post_args and k != "pre_mix"}
+    new_residual = flashkern.ops.mhc_post(**post_args, backend=backend)
+    assert torch.equal(chain.residual, new_residual), "the chain's residual differs from mhc_post's"
+    unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
+    tolerance = dict(atol=1e-2, rtol=1e-2)  # SPECS.md: the fused chain within 1e-2
+    for name in ("pre", "post", "comb"):
+        torch.testing.assert_close(getattr(chain, name), getattr(unfused, name), **tolerance)
+    carried = ref.collapse(new_residual.cpu(), inputs["pre_mix"].cpu(), inputs["norm_weight"].cpu(),
+                           inputs["norm_eps"])
+    torch.testing.assert_close(chain.layer_input.cpu().float(), carried.float(), **tolerance)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_chain_without_carried_pre_mix_is_post_then_pre(backend):
+    """pre_mix=None: the layer input is collapsed with the pre-mix computed now, as mhc_pre's."""
+    op = OPS["mhc_post_pre"]
+    inputs = op.make_inputs(MhcProblem(5, 100, has_norm=True), DEVICE, seed=1)
+    chain = op.entry(**inputs, backend=backend)
+    new_residual = flashkern.ops.mhc_post(*(inputs[k] for k in ("y", "residual", "post", "comb")), backend=backend)
+    pre_args = {k: v for k, v in inputs.items() if k not in ("y", "residual", "post", "comb", "pre_mix")}
+    unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
+    torch.testing.assert_close(chain.layer_input.float(), unfused.layer_input.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_no_tokens(name, backend):
+    op = OPS[name]
+    problem = SinkhornProblem(0) if name == "sinkhorn" else MhcProblem(0, 64, delayed=name == "mhc_post_pre")
+    inputs = op.make_inputs(problem, DEVICE, seed=0)
+    expected, actual = op.reference(**inputs), op.entry(**inputs, backend=backend)
+    for e, a in zip(*((expected, actual) if isinstance(expected, tuple) else ((expected,), (actual,)))):
+        assert a.shape == e.shape and a.dtype == e.dtype and a.numel() == 0
+
+
+def _reject_launches(monkeypatch):
+    for op in OPS.values():
+        for impl in op.implementations:  # a launch would fail the test instead of raising the named error
+            monkeypatch.setattr(type(impl.kernel), "run", lambda *a: pytest.fail("a kernel ran despite bad input"))
+
+
+def _good(name: str) -> dict:
+    op = OPS[name]
+    problem = SinkhornProblem(3) if name == "sinkhorn" else MhcProblem(3, 16, delayed=name == "mhc_post_pre")
+    return op.make_inputs(problem, DEVICE, seed=0)
+
+
+BAD_ARGS = [
+    ("sinkhorn", dict(x=torch.zeros(4)), ValueError, r"x must be a tensor of n x n matrices"),
+    ("sinkhorn", dict(x=torch.zeros(2, 3, 4)), ValueError, r"x must have shape \[2, 4, 4\]"),
+    ("sinkhorn", dict(x=torch.zeros(2, 9, 9)), ValueError, r"n \(x.shape\[-1\]\)=9 must be in \[1, 8\]"),
+    ("sinkhorn", dict(x=torch.zeros(2, 4, 4, dtype=torch.float64)), TypeError, "x must be float32"),
+    ("sinkhorn", dict(x=torch.zeros(4, 4, 2).transpose(0, 2)), ValueError, "x must be contiguous"),
+    ("sinkhorn", dict(iters=0), ValueError, r"iters=0 must be in \[1, 1000\]"),
+    ("sinkhorn", dict(eps=-1e-6), ValueError, "eps must be >= 0"),
+    ("sinkhorn", dict(eps=float("nan")), ValueError, "eps must be a finite number"),
+    ("mhc_pre", dict(residual=torch.zeros(3, 4, 16)), TypeError, "residual must be bfloat16"),
+    ("mhc_pre", dict(residual=torch.zeros(3, 16, 4, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
+     "residual must be contiguous"),
+    ("mhc_pre", dict(fn=torch.zeros(24, 60)), ValueError, r"fn must have shape \[24, 64\]"),
+    ("mhc_pre", dict(hc_scale=torch.zeros(2)), ValueError, r"hc_scale must have shape \[3\]"),
+    ("mhc_pre", dict(hc_base=torch.zeros(24, dtype=torch.float16)), TypeError, "hc_base must be float32"),
+    ("mhc_pre", dict(norm_weight=torch.ones(15, dtype=torch.bfloat16)), ValueError,
+     r"norm_weight must have shape \[16\]"),
+    ("mhc_pre", dict(rms_eps=-1.0), ValueError, "rms_eps must be >= 0"),
+    ("mhc_pre", dict(iters=2.5), TypeError, "iters must be an int"),
+    ("mhc_pre", dict(residual=torch.zeros(3, 9, 16, dtype=torch.bfloat16)), ValueError,
+     r"n \(residual.shape\[1\]\)=9 must be in \[1, 8\]"),
+    ("mhc_post", dict(y=torch.zeros(3, 15, dtype=torch.bfloat16)), ValueError, r"y must have shape \[3, 16\]"),
+    ("mhc_post", dict(comb=torch.zeros(3, 4, 4).transpose(1, 2)), ValueError, "comb must be contiguous"),
+    ("mhc_post", dict(post=torch.zeros(3, 4, dtype=torch.bfloat16)), TypeError, "post must be float32"),
+    ("mhc_post", dict(residual=torch.zeros(3, 4, 0, dtype=torch.bfloat16), y=torch.zeros(3, 0, dtype=torch.bfloat16)),
+     ValueError, r"D \(residual.shape\[2\]\)=0 must be at least 1"),
+    ("mhc_post_pre", dict(pre_mix=torch.zeros(3, 3)), ValueError, r"pre_mix must have shape \[3, 4\]"),
+    ("mhc_post_pre", dict(fn=torch.zeros(24, 64, dtype=torch.bfloat16)), TypeError, "fn must be float32"),
+    ("mhc_post_pre", dict(post_mult=float("inf")), ValueError, "post_mult must be a finite number"),
+    ("mhc_post_pre", dict(backend="triton", config={"nonsense": 1}), ValueError, "config: unknown keys"),
+]
+
+
+@pytest.mark.parametrize("name, changes, error, message", BAD_ARGS, ids=[m for *_, m in BAD_ARGS])
+def test_bad_arguments_are_named_before_launch(monkeypatch, name, changes, error, message):
+    _reject_launches(monkeypatch)
+    with pytest.raises(error, match=message):
+        OPS[name].entry(**{**_good(name), **on_device(changes)})
+
+
+@pytest.mark.parametrize("corruption", ["pre_eps dropped", "comb transposed", "residual 4% off", "post scaled"])
+def test_comparison_rejects(corruption):
+    """The comparisons can fail: wrong answers of the kinds a kernel bug gives are rejected."""
+    op = OPS["mhc_post_pre"]
+    inputs = _fill(torch.Generator().manual_seed(0), op.make_inputs(MhcProblem(9, 37, delayed=True), "cpu", 4),
+                   "large_eps")
+    good = op.reference(**inputs)
+    if corruption == "pre_eps dropped":
+        bad = good._replace(pre=good.pre - inputs["pre_eps"])
+    elif corruption == "comb transposed":
+        bad = good._replace(comb=good.comb.transpose(1, 2))
+    elif corruption == "residual 4% off":  # above the bf16 tolerance (5e-2 + 1%) for entries beyond 1.7
+        bad = good._replace(residual=(good.residual.float() * 1.04).bfloat16())
+    else:
+        bad = good._replace(post=good.post * 1.01)
+    op.compare(inputs, good, good)
+    with pytest.raises(AssertionError):
+        op.compare(inputs, good, bad)
