@@ -168,7 +168,7 @@ class TileLangKernel:
     """A TileLang implementation from one source for both targets.
 
     program(problem, config, flavour) -> prim_func, with dynamic sizes for what varies per call;
-    arguments(problem, inputs, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
+    arguments(problem, inputs, config, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
     A multi-stage implementation returns a tuple of prim_funcs and a tuple of argument lists (None
     skips a stage); the stages run in order.
     gpu_pass_configs: TileLang pass options for the CUDA build (the same for JIT and the sm_90a check).
@@ -199,7 +199,7 @@ class TileLangKernel:
     def run(self, problem, inputs, config):
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
         fl = GPU if device.type == "cuda" else CPU
-        args, outputs = self.arguments(problem, inputs, fl)
+        args, outputs = self.arguments(problem, inputs, config, fl)
         if args is None:
             return outputs
         kernels = self.compiled(problem, config, fl)

@@ -414,7 +414,7 @@ def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
             tilelang_topk.topk_stage_program(False, True, problem.block, topk_config, fl))
 
 
-def sparse_args_tilelang(problem: SparseProblem, inputs: dict, fl):
+def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl):
     score_args, scores = tilelang_logits.sparse_scores_args(problem, inputs, fl)
     select_args, out = tilelang_topk.topk_stage_args(scores, None, problem.top_k, fl, blocks=inputs["blocks"])
     return (None if score_args is None else (score_args, select_args)), out

@@ -213,7 +213,7 @@ def _data_arg(tensor, st: _Storage):
     return tensor if st.data != "uint8" else tensor.view(torch.uint8)
 
 
-def logits_args(problem: LogitsProblem, inputs: dict, fl: Flavour):
+def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour):
     q, k = inputs["q"], inputs["k"]
     st = _Storage(problem.indexer, fl)
     rows, keys = q.shape[0], k.shape[0]
@@ -261,7 +261,7 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
     return paged_mqa_logits
 
 
-def paged_args(problem: PagedProblem, inputs: dict, fl: Flavour):
+def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour):
     q, k_cache, table = inputs["q"], inputs["k_cache"], inputs["block_table"]
     st = _Storage(problem.indexer, fl)
     batch, next_n, bs = q.shape[0], q.shape[1], k_cache.shape[1]

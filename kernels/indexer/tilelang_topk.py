@@ -217,7 +217,7 @@ def topk_program(problem: TopkProblem, config: dict, fl: Flavour):
     return topk_stage_program(problem.has_starts, False, 0, config, fl)
 
 
-def topk_args(problem: TopkProblem, inputs: dict, fl: Flavour):
+def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour):
     return topk_stage_args(inputs["logits"], inputs["ends"], inputs["k"], fl, starts=inputs["starts"])
 
 
@@ -284,7 +284,7 @@ def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
             topk_stage_program(False, True, 0, config, fl))
 
 
-def blocks_args(problem: CandidateProblem, inputs: dict, fl: Flavour):
+def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavour):
     logits, row_end, n_blocks = inputs["logits"], inputs["row_end"], inputs["n_blocks"]
     rows, width = logits.shape
     if rows == 0 or width == 0:

@@ -46,6 +46,7 @@ from flashkern.kernels.mhc.problem import (
     empty_partials,
     empty_pre_outputs,
     empty_residual,
+    split_plan,
 )
 
 
@@ -149,7 +150,7 @@ def sinkhorn_program(problem: SinkhornProblem, config: dict, fl: Flavour):
     return mhc_sinkhorn
 
 
-def sinkhorn_args(problem: SinkhornProblem, inputs: dict, fl: Flavour):
+def sinkhorn_args(problem: SinkhornProblem, inputs: dict, config: dict, fl: Flavour):
     x = inputs["x"]
     out = torch.empty_like(x)
     if problem.matrices == 0:
@@ -185,7 +186,7 @@ def post_program(problem: MhcProblem, config: dict, fl: Flavour):
     return mhc_post
 
 
-def post_args(problem: MhcProblem, inputs: dict, fl: Flavour):
+def post_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
     out = empty_residual(problem, inputs["residual"].device)
     if problem.tokens == 0:
         return None, out
@@ -204,7 +205,7 @@ def _gemm_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bo
     n, M, MP, NS = problem.streams, problem.mixes, _mix_slots(problem.streams), _pow2(problem.streams)
     BT, BD = config["block_t"], config["block_d"]
     K = NS * BD
-    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP: allocated splits (>= the plan's)
+    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
     splits, chunk = _split_plan(D, config)
     post_column = _post_macro(n, fl)
 
@@ -292,9 +293,8 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
     """
     n, M = problem.streams, problem.mixes
     ET, EBD = config["epi_block_t"], config["epi_block_d"]
-    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")
+    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP: the GEMM stage's splits
     PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
-    splits, _ = _split_plan(D, config)
     sinkhorn = _sinkhorn_macro(n)
 
     @T.prim_func
@@ -334,7 +334,7 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
             # 1. split sums, in split order
             for r, k in fl.parallel(ET, M):
                 total = 0.0
-                for s in T.serial(splits):
+                for s in T.serial(SP):
                     total = total + MixParts[s, T.min(bx * ET + r, NT - 1), k]
                 mix[r, k] = total
 
@@ -342,7 +342,7 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
             for r in fl.parallel(ET):
                 t = T.min(bx * ET + r, NT - 1)
                 total = 0.0
-                for s in T.serial(splits):
+                for s in T.serial(SP):
                     total = total + SqParts[s, t]
                 rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
                 for i in T.unroll(n):
@@ -388,11 +388,6 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
     return mhc_epilogue
 
 
-def _max_splits(problem: MhcProblem) -> int:
-    """Splits to allocate partials for: at least any config of PRE_SPACE plans (the arguments see no config)."""
-    return min(max(PRE_SPACE.params["split_k"]), -(-problem.hidden // min(PRE_SPACE.params["block_d"])))
-
-
 def _epilogue_args(problem: MhcProblem, inputs: dict, fl: Flavour, residual, partials, outputs) -> list:
     """Epilogue arguments: residual is the stage's input (the new residual for post_pre); outputs the
     (layer_input, pre, post, comb) to fill."""
@@ -406,6 +401,11 @@ def _epilogue_args(problem: MhcProblem, inputs: dict, fl: Flavour, residual, par
             float(inputs["norm_eps"]), int(problem.delayed), int(problem.has_norm)]
 
 
+def _partials(problem: MhcProblem, config: dict, device):
+    """The GEMM stage's partial sums, one slice per split of the config's plan."""
+    return empty_partials(problem, split_plan(problem.hidden, config["split_k"], config["block_d"])[0], device)
+
+
 def _fn_arg(problem: MhcProblem, fn):
     """fn [(2+n)n, n * D] as the kernels take it: [(2+n)n, n, D]."""
     return fn.view(problem.mixes, problem.streams, problem.hidden)
@@ -416,12 +416,12 @@ def pre_program(problem: MhcProblem, config: dict, fl: Flavour):
     return _gemm_program(problem, config, fl, post_first=False), _epilogue_program(problem, config, fl)
 
 
-def pre_args(problem: MhcProblem, inputs: dict, fl: Flavour):
+def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
     residual = inputs["residual"]
     outputs = empty_pre_outputs(problem, residual.device)
     if problem.tokens == 0:
         return None, outputs
-    partials = empty_partials(problem, _max_splits(problem), residual.device)
+    partials = _partials(problem, config, residual.device)
     gemm = [fl.bf16_arg(residual), _fn_arg(problem, inputs["fn"]), *partials]
     return (gemm, _epilogue_args(problem, inputs, fl, residual, partials, outputs)), outputs
 
@@ -431,12 +431,12 @@ def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
     return _gemm_program(problem, config, fl, post_first=True), _epilogue_program(problem, config, fl)
 
 
-def post_pre_args(problem: MhcProblem, inputs: dict, fl: Flavour):
+def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
     residual = inputs["residual"]
     outputs = empty_chain_outputs(problem, residual.device)
     if problem.tokens == 0:
         return None, outputs
-    partials = empty_partials(problem, _max_splits(problem), residual.device)
+    partials = _partials(problem, config, residual.device)
     gemm = [fl.bf16_arg(inputs["y"]), fl.bf16_arg(residual), inputs["post"], inputs["comb"],
             _fn_arg(problem, inputs["fn"]), fl.bf16_arg(outputs.residual), *partials]
     return (gemm, _epilogue_args(problem, inputs, fl, outputs.residual, partials, outputs[1:])), outputs

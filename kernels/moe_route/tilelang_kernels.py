@@ -263,7 +263,7 @@ def _bias_valid_args(problem, inputs: dict, device) -> list:
     return [bias, valid]
 
 
-def route_args(problem, inputs: dict, fl):
+def route_args(problem, inputs: dict, config: dict, fl):
     logits = inputs["logits"].contiguous()
     weights, ids = empty_outputs(problem, logits.device)
     if problem.tokens == 0:
@@ -271,7 +271,7 @@ def route_args(problem, inputs: dict, fl):
     return [logits, *_bias_valid_args(problem, inputs, logits.device), weights, ids], (weights, ids)
 
 
-def route_gate_args(problem, inputs: dict, fl):
+def route_gate_args(problem, inputs: dict, config: dict, fl):
     hidden = inputs["hidden"].contiguous()
     device = hidden.device
     weights, ids = empty_outputs(problem, device)
