@@ -159,6 +159,9 @@ def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
     return report.with_(smem=report.smem + dyn_smem, threads=threads, wgmma="wgmma" in source)
 
 
+_BY_SOURCE: dict = {}  # (kernel source, on GPU, GPU pass configs) -> compiled kernel, for every TileLangKernel
+
+
 def _stages(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -181,7 +184,6 @@ class TileLangKernel:
     min_capability: tuple[int, int] = (8, 0)
     cpu_mode = "TileLang C target (compiled with -O2)"
     _compiled: dict = field(default_factory=dict, repr=False)
-    _by_source: dict = field(default_factory=dict, repr=False)
 
     def compiled(self, problem, config, fl: Flavour) -> tuple:
         key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu)
@@ -190,11 +192,12 @@ class TileLangKernel:
         return self._compiled[key]
 
     def _compile(self, func, fl: Flavour):
-        """One compiled kernel per distinct source: specializations that differ only in dynamic sizes share it."""
-        source = (func.script(), fl.on_gpu)
-        if source not in self._by_source:
-            self._by_source[source] = (compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func))
-        return self._by_source[source]
+        """One compiled kernel per distinct source in the process: specializations that differ only in dynamic sizes,
+        and implementations that share a stage (mhc_pre and mhc_post_pre's epilogue), share it."""
+        source = (func.script(), fl.on_gpu, tuple(sorted(self.gpu_pass_configs.items())) if fl.on_gpu else ())
+        if source not in _BY_SOURCE:
+            _BY_SOURCE[source] = (compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func))
+        return _BY_SOURCE[source]
 
     def run(self, problem, inputs, config):
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
