@@ -12,9 +12,13 @@ import torch
 
 
 def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shape: Sequence[int | None],
-           device: torch.device | None = None, contiguous: bool = False) -> torch.Tensor:
-    """A tensor of the given dtype(s) and shape (None = any size), on `device`, with unit stride on its last dim
-    (wholly contiguous when asked)."""
+           device: torch.device | None = None, strided: bool = False) -> torch.Tensor:
+    """A tensor of the given dtype(s) and shape (None = any size), on `device`, in a layout the kernels honour.
+
+    Layouts: contiguous by default; `strided=True` for an input whose kernels take the strides of every
+    dimension but the last, which must have unit stride: row-padded (a column slice of a wider buffer),
+    sliced, permuted leading dimensions, offset (storage_offset > 0) and expanded (stride 0) views.
+    """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
@@ -27,15 +31,11 @@ def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shap
         raise ValueError(f"{name} must have shape {wanted}, got {list(sizes)}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, but the other inputs are on {device}")
-    if contiguous and not value.is_contiguous():
+    if not strided and not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {list(value.stride())}); pass {name}.contiguous()")
-    if sizes and sizes[-1] > 1:
-        strides = value.stride()
-        if strides[-1] != 1:
-            raise ValueError(f"{name} must be contiguous along its last dimension (stride {strides[-1]}); "
-                             f"pass {name}.contiguous()")
-        if len(sizes) > 1 and sizes[0] > 1 and strides[0] < sizes[-1]:
-            raise ValueError(f"{name} has overlapping rows (row stride {strides[0]}); pass {name}.contiguous()")
+    if strided and sizes and sizes[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension (strides {list(value.stride())}); "
+                         f"pass {name}.contiguous()")
     return value
 
 

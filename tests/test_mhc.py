@@ -9,8 +9,6 @@ outputs at SPECS.md's atol 5e-2 / rtol 1e-2, Sinkhorn at assert_close's fp32 def
 the spec names are checked on kernel outputs besides, and the chain against its composition at 1e-2.
 """
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, note
@@ -193,40 +191,6 @@ def test_no_tokens(name, backend):
     expected, actual = op.reference(**inputs), op.entry(**inputs, backend=backend)
     for e, a in zip(*((expected, actual) if isinstance(expected, tuple) else ((expected,), (actual,)))):
         assert a.shape == e.shape and a.dtype == e.dtype and a.numel() == 0
-
-
-GUARD = 256  # sentinel elements on each side of every buffer a kernel path allocates
-
-
-@pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_kernels_write_nothing_outside_their_outputs(monkeypatch, name, backend):
-    """Every torch.empty / empty_like of the call (outputs, partials) is carved from a larger buffer filled with a
-    sentinel byte; after the run the margins must be untouched (odd sizes: tails and padded streams). TileLang's C
-    writes through raw pointers, as GPU kernels do; Triton's interpreter writes into its own copy of each tensor, so
-    there this guards the GPU runs (scripts/gpu_check.sh) only."""
-    op = OPS[name]
-    problem = SinkhornProblem(37, 3) if name == "sinkhorn" else MhcProblem(37, 37, 3, has_norm=name != "mhc_post",
-                                                                            delayed=name == "mhc_post_pre")
-    inputs = op.make_inputs(problem, DEVICE, seed=9)
-    buffers, real_empty = [], torch.empty
-
-    def guarded_empty(*size, dtype=None, device=None, **_):
-        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-        buffer = real_empty(math.prod(shape) + 2 * GUARD, dtype=dtype or torch.float32, device=device)
-        buffer.view(torch.uint8).fill_(0x5A)
-        buffers.append(buffer)
-        return buffer[GUARD : GUARD + math.prod(shape)].view(shape)
-
-    monkeypatch.setattr(torch, "empty", guarded_empty)
-    monkeypatch.setattr(torch, "empty_like", lambda x, **_: guarded_empty(x.shape, dtype=x.dtype, device=x.device))
-    actual = op.entry(**inputs, backend=backend)
-    monkeypatch.undo()
-    assert buffers, "the kernel path allocated nothing through torch.empty"
-    for buffer in buffers:
-        margins = torch.cat([buffer[:GUARD].view(torch.uint8), buffer[-GUARD:].view(torch.uint8)])
-        assert (margins == 0x5A).all(), f"a write outside a {buffer.dtype} buffer of {buffer.numel() - 2 * GUARD}"
-    op.compare(inputs, op.reference(**inputs), actual)
 
 
 def _reject_launches(monkeypatch):

@@ -245,7 +245,7 @@ def _good_route_args():
 BAD_ROUTE_ARGS = [
     (dict(logits=torch.randn(5, 64).bfloat16()), TypeError, "logits must be float32"),
     (dict(logits=torch.randn(5, 64, 1)), ValueError, "logits must have shape"),
-    (dict(logits=torch.randn(64, 5).t()), ValueError, "logits must be contiguous"),
+    (dict(logits=torch.randn(64, 5).t()), ValueError, "logits must have unit stride along its last dimension"),
     (dict(logits=[[0.0] * 64] * 5), TypeError, "logits must be a torch.Tensor"),
     (dict(bias=torch.zeros(63)), ValueError, "bias must have shape [64]"),
     (dict(bias=torch.zeros(64, dtype=torch.float64)), TypeError, "bias must be float32"),

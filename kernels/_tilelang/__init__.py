@@ -84,6 +84,44 @@ CPU = Flavour(on_gpu=False)
 GPU = Flavour(on_gpu=True)
 
 
+def _pass_dynamic_strides_on_cpu() -> None:
+    """Let the C target take tensors with dynamic strides (`T.StridedTensor(shape, (S, 1), ...)`, S = T.dynamic).
+
+    TileLang 0.1.15's C host wrapper declares only the dynamic *shape* symbols as `call(...)` arguments, while
+    the kernel it calls (and the Cython adapter, which reads the symbols from the torch tensors: shapes first,
+    then strides) also carry the stride symbols, so such a kernel fails to compile. The CUDA wrapper lists
+    shapes then strides; this gives the C wrapper the same list, in the same order.
+    """
+    from tilelang.jit.adapter.wrapper import TLCPUSourceWrapper
+    from tvm import tirx
+
+    shape_symbols = TLCPUSourceWrapper.get_dynamic_symbolic_set
+    if getattr(shape_symbols, "with_strides", False):
+        return
+
+    def shape_and_stride_symbols(self, prim_func):
+        symbols = dict(shape_symbols(self, prim_func))
+        for param in prim_func.params:
+            if param in prim_func.buffer_map:
+                for stride in prim_func.buffer_map[param].strides:
+                    if isinstance(stride, tirx.Var) and stride.name not in symbols:
+                        symbols[stride.name] = str(stride.dtype)
+        return list(symbols.items())
+
+    shape_and_stride_symbols.with_strides = True
+    TLCPUSourceWrapper.get_dynamic_symbolic_set = shape_and_stride_symbols
+
+
+_pass_dynamic_strides_on_cpu()
+
+
+def row_strided(shape: tuple, dtype: str, name: str):
+    """A global tensor [shape] whose leading dimensions have run-time strides (named `<name>_stride<i>`) and whose
+    last dimension is unit-stride: what an argument checked with `checks.tensor(..., strided=True)` may be."""
+    strides = tuple(T.dynamic(f"{name}_stride{i}") for i in range(len(shape) - 1)) + (1,)
+    return T.StridedTensor(shape, strides, dtype)
+
+
 def compile_cpu(prim_func):
     """Compile a CPU-flavour kernel to C with optimization (TileLang caches it on disk too)."""
     return tilelang.compile(

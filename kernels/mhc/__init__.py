@@ -44,15 +44,14 @@ def check_sinkhorn(inputs: dict) -> SinkhornProblem:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise ValueError(f"x must be a tensor of n x n matrices [..., n, n], got {getattr(x, 'shape', type(x))}")
     n = x.shape[-1]
-    checks.tensor("x", x, dtype=torch.float32, shape=(*x.shape[:-2], n, n), contiguous=True)
+    checks.tensor("x", x, dtype=torch.float32, shape=(*x.shape[:-2], n, n))
     checks.integer("n (x.shape[-1])", n, low=1, high=MAX_STREAMS)
     _scalars(inputs, ("iters", "eps"))
     return SinkhornProblem(matrices=x.numel() // (n * n), n=n)
 
 
 def _check_streams(inputs: dict) -> tuple[int, int, int, torch.device]:
-    residual = checks.tensor("residual", inputs["residual"], dtype=torch.bfloat16, shape=(None, None, None),
-                             contiguous=True)
+    residual = checks.tensor("residual", inputs["residual"], dtype=torch.bfloat16, shape=(None, None, None))
     tokens, n, hidden = residual.shape
     checks.integer("n (residual.shape[1])", n, low=1, high=MAX_STREAMS)
     checks.integer("D (residual.shape[2])", hidden, low=1)
@@ -61,14 +60,14 @@ def _check_streams(inputs: dict) -> tuple[int, int, int, torch.device]:
 
 def _check_mixing(inputs: dict, tokens: int, n: int, device) -> None:
     """post [T, n] and comb [T, n, n], fp32 (the gates of the finished sublayer)."""
-    checks.tensor("post", inputs["post"], dtype=torch.float32, shape=(tokens, n), device=device, contiguous=True)
-    checks.tensor("comb", inputs["comb"], dtype=torch.float32, shape=(tokens, n, n), device=device, contiguous=True)
+    checks.tensor("post", inputs["post"], dtype=torch.float32, shape=(tokens, n), device=device)
+    checks.tensor("comb", inputs["comb"], dtype=torch.float32, shape=(tokens, n, n), device=device)
 
 
 def _check_projection(inputs: dict, n: int, hidden: int, device) -> bool:
     """fn, hc_scale, hc_base, the scalars and the optional norm weight of a pre block; returns has_norm."""
     m = ref.mix_width(n)
-    checks.tensor("fn", inputs["fn"], dtype=torch.float32, shape=(m, n * hidden), device=device, contiguous=True)
+    checks.tensor("fn", inputs["fn"], dtype=torch.float32, shape=(m, n * hidden), device=device)
     checks.tensor("hc_scale", inputs["hc_scale"], dtype=torch.float32, shape=(ref.HC_SCALES,), device=device)
     checks.tensor("hc_base", inputs["hc_base"], dtype=torch.float32, shape=(m,), device=device)
     _scalars(inputs, ("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult", "iters", "norm_eps"))
@@ -85,7 +84,7 @@ def check_pre(inputs: dict) -> MhcProblem:
 
 def check_post(inputs: dict) -> MhcProblem:
     tokens, n, hidden, device = _check_streams(inputs)
-    checks.tensor("y", inputs["y"], dtype=torch.bfloat16, shape=(tokens, hidden), device=device, contiguous=True)
+    checks.tensor("y", inputs["y"], dtype=torch.bfloat16, shape=(tokens, hidden), device=device)
     _check_mixing(inputs, tokens, n, device)
     return MhcProblem(tokens, hidden, n)
 
@@ -95,7 +94,7 @@ def check_post_pre(inputs: dict) -> MhcProblem:
     device = inputs["residual"].device
     has_norm = _check_projection(inputs, problem.streams, problem.hidden, device)
     pre_mix = checks.optional_tensor("pre_mix", inputs["pre_mix"], dtype=torch.float32,
-                                     shape=(problem.tokens, problem.streams), device=device, contiguous=True)
+                                     shape=(problem.tokens, problem.streams), device=device)
     return MhcProblem(problem.tokens, problem.hidden, problem.streams, has_norm=has_norm, delayed=pre_mix is not None)
 
 

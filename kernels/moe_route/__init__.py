@@ -49,7 +49,7 @@ def _check_common(inputs: dict, tokens: int, experts: int, device) -> dict:
 
 
 def check_route(inputs: dict) -> RouteProblem:
-    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None), strided=True)
     tokens, experts = logits.shape
     if experts == 0:
         raise ValueError("logits must have at least one expert column, got shape " + str(list(logits.shape)))
@@ -57,7 +57,7 @@ def check_route(inputs: dict) -> RouteProblem:
 
 
 def check_route_gate(inputs: dict) -> RouteProblem:
-    hidden = checks.tensor("hidden", inputs["hidden"], dtype=torch.bfloat16, shape=(None, None))
+    hidden = checks.tensor("hidden", inputs["hidden"], dtype=torch.bfloat16, shape=(None, None), strided=True)
     tokens, dim = hidden.shape
     if dim == 0:
         raise ValueError("hidden must have a nonzero hidden size, got shape " + str(list(hidden.shape)))

@@ -20,7 +20,7 @@ import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels._tilelang import Flavour, row_strided
 from flashkern.kernels.moe_route.problem import empty_outputs, slot_layout
 
 LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
@@ -161,7 +161,7 @@ def route_program(problem, config, fl: Flavour):
 
     @T.prim_func
     def moe_route(
-        Logits: T.Tensor((n_rows, E), "float32"),
+        Logits: row_strided((n_rows, E), "float32", "logits"),
         Bias: T.Tensor((E if problem.has_bias else 1,), "float32"),
         Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
         Weights: T.Tensor((n_rows, K), "float32"),
@@ -188,7 +188,7 @@ def route_gate_program(problem, config, fl: Flavour):
 
     @T.prim_func
     def moe_route_gate(
-        H: T.Tensor((n_rows, D), fl.bf16),
+        H: row_strided((n_rows, D), fl.bf16, "hidden"),
         Wg: T.Tensor((E, D), fl.bf16),
         Norm: T.Tensor((D if problem.has_norm else 1,), fl.bf16),
         Bias: T.Tensor((E if problem.has_bias else 1,), "float32"),
@@ -264,7 +264,7 @@ def _bias_valid_args(problem, inputs: dict, device) -> list:
 
 
 def route_args(problem, inputs: dict, config: dict, fl):
-    logits = inputs["logits"].contiguous()
+    logits = inputs["logits"]
     weights, ids = empty_outputs(problem, logits.device)
     if problem.tokens == 0:
         return None, (weights, ids)
@@ -272,7 +272,7 @@ def route_args(problem, inputs: dict, config: dict, fl):
 
 
 def route_gate_args(problem, inputs: dict, config: dict, fl):
-    hidden = inputs["hidden"].contiguous()
+    hidden = inputs["hidden"]
     device = hidden.device
     weights, ids = empty_outputs(problem, device)
     if problem.tokens == 0:
