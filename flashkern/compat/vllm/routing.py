@@ -1,0 +1,3 @@
+"""vLLM routing ops with vLLM's call signatures (filled in by the compat work of issue 10)."""
+
+__all__: list[str] = []
