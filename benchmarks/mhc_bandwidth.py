@@ -34,7 +34,7 @@ def copy_bandwidth(device, megabytes: int = 512) -> float:
 def problems(op_name: str, hidden: int, tokens: int) -> MhcProblem:
     """The model's form of each operator: the chain is V4.1's delayed pre with the fused RMSNorm."""
     chain = op_name == "mhc_post_pre"
-    return MhcProblem(tokens, hidden, delayed=chain, has_norm=chain)
+    return MhcProblem(tokens, hidden, has_norm=chain, collapse="carried" if chain else "fresh")
 
 
 def main() -> None:

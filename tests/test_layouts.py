@@ -38,9 +38,9 @@ CASES = {
     "candidate_blocks": (CandidateProblem(3, 2000, 64, 8),),
     "sparse_mqa_logits": (SparseProblem(3, 1000, 32, 8, 64), SparseProblem(2, 700, 16, 8, 32, FP4)),
     "sinkhorn": (SinkhornProblem(37, 4),),
-    "mhc_pre": (MhcProblem(5, 37, has_norm=True),),
+    "mhc_pre": (MhcProblem(5, 37, has_norm=True, collapse="carried"),),
     "mhc_post": (MhcProblem(5, 37),),
-    "mhc_post_pre": (MhcProblem(5, 37, has_norm=True, delayed=True),),
+    "mhc_post_pre": (MhcProblem(5, 37, has_norm=True, collapse="carried"),),
 }
 
 # The arguments whose kernels take strides (every dimension but the last); all others must be contiguous.

@@ -3,10 +3,11 @@
 Hypothesis draws the stream count, token counts and hidden sizes with odd tails (D = 1, 37, 100, ...,
 and the model's 4096 / 5120 / 7168 at a few tokens), how values look (normal; large epsilons and few
 iterations, which make every epsilon and the iteration order visible; all-zero token rows; huge
-magnitudes; a token row holding NaN or inf, which must stay in its row), norm on and off, delayed on
-and off. The comparison is the operator's own (kernels/mhc: fp32 gates within 1e-3, bf16
-outputs at SPECS.md's atol 5e-2 / rtol 1e-2, Sinkhorn at assert_close's fp32 defaults); the properties
-the spec names are checked on kernel outputs besides, and the chain against its composition at 1e-2.
+magnitudes; a token row holding NaN or inf, which must stay in its row), norm on and off, and each
+collapse of the layer input (the fresh pre, a carried pre-mix, stream 0). The comparison is the
+operator's own (kernels/mhc: fp32 gates within 1e-3, bf16 outputs at SPECS.md's atol 5e-2 / rtol 1e-2,
+Sinkhorn at assert_close's fp32 defaults); the properties the spec names are checked on kernel outputs
+besides, the chain against its composition at 1e-2, and the stream-0 collapse bit for bit.
 """
 
 import pytest
@@ -20,6 +21,7 @@ from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
 from flashkern.reference import mhc as ref
+from flashkern.reference.mhc import COLLAPSES
 
 KERNELS = ("triton", "tilelang")
 OPS = {name: registry.get(name) for name in ("sinkhorn", "mhc_pre", "mhc_post", "mhc_post_pre")}
@@ -73,9 +75,9 @@ def mhc_problems(draw, op: str):
     if draw(st.integers(0, 9)) == 0:  # now and then a model width at a few tokens
         tokens, hidden = draw(st.integers(1, 3)), draw(st.sampled_from([4096, 5120, 7168]))
     streams = draw(st.sampled_from([4, 4, 4, 2, 1, 8]))
-    chain = op == "mhc_post_pre"
-    return MhcProblem(tokens, hidden, streams, has_norm=op != "mhc_post" and draw(st.booleans()),
-                      delayed=chain and draw(st.booleans()))
+    if op == "mhc_post":
+        return MhcProblem(tokens, hidden, streams)
+    return MhcProblem(tokens, hidden, streams, has_norm=draw(st.booleans()), collapse=draw(st.sampled_from(COLLAPSES)))
 
 
 @st.composite
@@ -149,7 +151,7 @@ def test_model_chain_matches_reference_and_the_unfused_composition(backend, hidd
     """V4.1 at the model widths: the delayed chain with the fused RMSNorm equals the reference, and equals
     this backend's own mhc_post then mhc_pre (the new residual bitwise; the layer input collapsed with the
     carried pre-mix, as the reference does). Repeated runs are bitwise identical."""
-    problem = MhcProblem(3, hidden, delayed=True, has_norm=True)
+    problem = MhcProblem(3, hidden, collapse="carried", has_norm=True)
     op = OPS["mhc_post_pre"]
     inputs = op.make_inputs(problem, DEVICE, seed=hidden)
     chain = run_and_check(op, inputs, backend)
@@ -158,7 +160,7 @@ def test_model_chain_matches_reference_and_the_unfused_composition(backend, hidd
         assert torch.equal(first, second), "repeated runs differ"
 
     post_args = {k: inputs[k] for k in ("y", "residual", "post", "comb")}
-    pre_args = {k: v for k, v in inputs.items() if k not in post_args and k != "pre_mix"}
+    pre_args = {k: v for k, v in inputs.items() if k not in (*post_args, "pre_mix", "delayed")}
     new_residual = flashkern.ops.mhc_post(**post_args, backend=backend)
     assert torch.equal(chain.residual, new_residual), "the chain's residual differs from mhc_post's"
     unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
@@ -171,22 +173,41 @@ def test_model_chain_matches_reference_and_the_unfused_composition(backend, hidd
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
-def test_chain_without_carried_pre_mix_is_post_then_pre(backend):
-    """pre_mix=None: the layer input is collapsed with the pre-mix computed now, as mhc_pre's."""
+@pytest.mark.parametrize("collapse", COLLAPSES)
+def test_chain_is_post_then_pre(backend, collapse):
+    """Each collapse: the chain's layer input is that of mhc_pre (same pre_mix and delayed) on the new residual."""
     op = OPS["mhc_post_pre"]
-    inputs = op.make_inputs(MhcProblem(5, 100, has_norm=True), DEVICE, seed=1)
+    inputs = op.make_inputs(MhcProblem(5, 100, has_norm=True, collapse=collapse), DEVICE, seed=1)
     chain = op.entry(**inputs, backend=backend)
     new_residual = flashkern.ops.mhc_post(*(inputs[k] for k in ("y", "residual", "post", "comb")), backend=backend)
-    pre_args = {k: v for k, v in inputs.items() if k not in ("y", "residual", "post", "comb", "pre_mix")}
+    pre_args = {k: v for k, v in inputs.items() if k not in ("y", "residual", "post", "comb")}
     unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
     torch.testing.assert_close(chain.layer_input.float(), unfused.layer_input.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_stream0_layer_input_is_stream_zero_exactly(backend):
+    """delayed=True without pre_mix (vLLM's model entry): the layer input is residual[:, 0] bit for bit, a select:
+    inf and NaN in the other streams do not reach it (a one-hot multiply would give 0 * inf = NaN), -0.0 and -inf
+    in stream 0 pass unchanged. The chain's layer input is its new residual's stream 0, bit for bit. (That the
+    gates are still computed is checked by test_matches_reference, which draws every collapse.)"""
+    inputs = OPS["mhc_pre"].make_inputs(MhcProblem(4, 100, collapse="stream0"), "cpu", seed=5)
+    residual = inputs["residual"]
+    residual[1, 1, 7], residual[1, 2, 8] = float("inf"), float("nan")
+    residual[2, 0, 3], residual[3, 0, 4] = -0.0, float("-inf")
+    layer_input = flashkern.ops.mhc_pre(**on_device(inputs), backend=backend).layer_input.cpu()
+    assert torch.equal(layer_input.view(torch.int16), residual[:, 0].view(torch.int16))
+    chain_inputs = OPS["mhc_post_pre"].make_inputs(MhcProblem(4, 100, collapse="stream0"), DEVICE, seed=6)
+    chain = flashkern.ops.mhc_post_pre(**chain_inputs, backend=backend)
+    assert torch.equal(chain.layer_input.view(torch.int16), chain.residual[:, 0].view(torch.int16))
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_no_tokens(name, backend):
     op = OPS[name]
-    problem = SinkhornProblem(0) if name == "sinkhorn" else MhcProblem(0, 64, delayed=name == "mhc_post_pre")
+    collapse = "carried" if name == "mhc_post_pre" else "stream0"
+    problem = SinkhornProblem(0) if name == "sinkhorn" else MhcProblem(0, 64, collapse=collapse)
     inputs = op.make_inputs(problem, DEVICE, seed=0)
     expected, actual = op.reference(**inputs), op.entry(**inputs, backend=backend)
     for e, a in zip(*((expected, actual) if isinstance(expected, tuple) else ((expected,), (actual,)))):
@@ -201,7 +222,8 @@ def _reject_launches(monkeypatch):
 
 def _good(name: str) -> dict:
     op = OPS[name]
-    problem = SinkhornProblem(3) if name == "sinkhorn" else MhcProblem(3, 16, delayed=name == "mhc_post_pre")
+    collapse = "carried" if name == "mhc_post_pre" else "fresh"
+    problem = SinkhornProblem(3) if name == "sinkhorn" else MhcProblem(3, 16, collapse=collapse)
     return op.make_inputs(problem, DEVICE, seed=0)
 
 
@@ -231,7 +253,11 @@ BAD_ARGS = [
     ("mhc_post", dict(post=torch.zeros(3, 4, dtype=torch.bfloat16)), TypeError, "post must be float32"),
     ("mhc_post", dict(residual=torch.zeros(3, 4, 0, dtype=torch.bfloat16), y=torch.zeros(3, 0, dtype=torch.bfloat16)),
      ValueError, r"D \(residual.shape\[2\]\)=0 must be at least 1"),
+    ("mhc_pre", dict(pre_mix=torch.rand(3, 4), delayed=False), ValueError, "pre_mix is given, but delayed=False"),
+    ("mhc_pre", dict(pre_mix=torch.rand(3, 4).double()), TypeError, "pre_mix must be float32"),
+    ("mhc_pre", dict(delayed=1), TypeError, "delayed must be a bool"),
     ("mhc_post_pre", dict(pre_mix=torch.zeros(3, 3)), ValueError, r"pre_mix must have shape \[3, 4\]"),
+    ("mhc_post_pre", dict(delayed=False), ValueError, r"pre_mix is given, but delayed=False .*drop pre_mix"),
     ("mhc_post_pre", dict(fn=torch.zeros(24, 64, dtype=torch.bfloat16)), TypeError, "fn must be float32"),
     ("mhc_post_pre", dict(post_mult=float("inf")), ValueError, "post_mult must be a finite number"),
     ("mhc_post_pre", dict(backend="triton", config={"nonsense": 1}), ValueError, "config: unknown keys"),
@@ -249,7 +275,7 @@ def test_bad_arguments_are_named_before_launch(monkeypatch, name, changes, error
 def test_comparison_rejects(corruption):
     """The comparisons can fail: wrong answers of the kinds a kernel bug gives are rejected."""
     op = OPS["mhc_post_pre"]
-    inputs = _fill(torch.Generator().manual_seed(0), op.make_inputs(MhcProblem(9, 37, delayed=True), "cpu", 4),
+    inputs = _fill(torch.Generator().manual_seed(0), op.make_inputs(MhcProblem(9, 37, collapse="carried"), "cpu", 4),
                    "large_eps")
     good = op.reference(**inputs)
     if corruption == "pre_eps dropped":

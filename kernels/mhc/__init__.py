@@ -4,8 +4,10 @@
   mhc_pre       residual streams [T, n, D] bf16 and fn -> PreOutputs(layer_input, pre, post, comb):
                 a GEMM + sum-of-squares launch, then one fused launch for everything after it
   mhc_post      out_j = post_j * y + sum_i comb[i, j] * residual_i -> [T, n, D] bf16
-  mhc_post_pre  the V4.1 chain: post of one sublayer, then pre of the next (delayed: the layer input
-                collapsed with the carried pre-mix) -> ChainOutputs(residual, layer_input, pre, post, comb)
+  mhc_post_pre  the V4.1 chain: post of one sublayer, then pre of the next
+                -> ChainOutputs(residual, layer_input, pre, post, comb)
+mhc_pre and mhc_post_pre collapse the layer input with the pre computed now, a carried pre-mix (V4.1's
+delayed pre) or residual stream 0 itself (V4.1 at model entry), as pre_mix and delayed select.
 The math is in flashkern.reference.mhc.
 """
 
@@ -76,10 +78,19 @@ def _check_projection(inputs: dict, n: int, hidden: int, device) -> bool:
     return norm is not None
 
 
+def _check_collapse(inputs: dict, tokens: int, n: int, device) -> str:
+    """pre_mix [T, n] fp32 or None and delayed (a bool or None); returns the layer input's collapse."""
+    pre_mix = checks.optional_tensor("pre_mix", inputs["pre_mix"], dtype=torch.float32, shape=(tokens, n),
+                                     device=device)
+    if inputs["delayed"] is not None:
+        checks.flag("delayed", inputs["delayed"])
+    return ref.collapse_kind(pre_mix, inputs["delayed"])
+
+
 def check_pre(inputs: dict) -> MhcProblem:
     tokens, n, hidden, device = _check_streams(inputs)
     has_norm = _check_projection(inputs, n, hidden, device)
-    return MhcProblem(tokens, hidden, n, has_norm=has_norm)
+    return MhcProblem(tokens, hidden, n, has_norm=has_norm, collapse=_check_collapse(inputs, tokens, n, device))
 
 
 def check_post(inputs: dict) -> MhcProblem:
@@ -93,9 +104,8 @@ def check_post_pre(inputs: dict) -> MhcProblem:
     problem = check_post(inputs)
     device = inputs["residual"].device
     has_norm = _check_projection(inputs, problem.streams, problem.hidden, device)
-    pre_mix = checks.optional_tensor("pre_mix", inputs["pre_mix"], dtype=torch.float32,
-                                     shape=(problem.tokens, problem.streams), device=device)
-    return MhcProblem(problem.tokens, problem.hidden, problem.streams, has_norm=has_norm, delayed=pre_mix is not None)
+    collapse = _check_collapse(inputs, problem.tokens, problem.streams, device)
+    return MhcProblem(problem.tokens, problem.hidden, problem.streams, has_norm=has_norm, collapse=collapse)
 
 
 # ---------------------------------------------------------------- realistic inputs
@@ -139,9 +149,16 @@ def _mixing(problem: MhcProblem, gen: torch.Generator) -> dict:
                 comb=ref.sinkhorn(2 * torch.randn(t, n, n, generator=gen)))
 
 
+def _collapse_inputs(problem: MhcProblem, gen: torch.Generator) -> dict:
+    """pre_mix and delayed selecting the problem's collapse; a carried pre-mix is a previous pre gate, sigmoid + eps."""
+    carried = torch.sigmoid(torch.randn(problem.tokens, problem.streams, generator=gen)) + 1e-6
+    return dict(pre_mix=carried if problem.collapse == "carried" else None, delayed=problem.collapse != "fresh")
+
+
 def make_pre_inputs(problem: MhcProblem, device="cpu", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return _to(dict(residual=_streams(problem, gen), **_projection(problem, gen)), device)
+    inputs = dict(residual=_streams(problem, gen), **_projection(problem, gen))
+    return _to(dict(inputs, **_collapse_inputs(problem, gen)), device)
 
 
 def make_post_inputs(problem: MhcProblem, device="cpu", seed: int = 0) -> dict:
@@ -150,11 +167,10 @@ def make_post_inputs(problem: MhcProblem, device="cpu", seed: int = 0) -> dict:
 
 
 def make_post_pre_inputs(problem: MhcProblem, device="cpu", seed: int = 0) -> dict:
-    """Those of mhc_post and mhc_pre; the carried pre-mix (delayed) is a previous pre gate, sigmoid + eps."""
+    """Those of mhc_post and mhc_pre."""
     gen = torch.Generator().manual_seed(seed)
     inputs = dict(residual=_streams(problem, gen), **_mixing(problem, gen), **_projection(problem, gen))
-    carried = torch.sigmoid(torch.randn(problem.tokens, problem.streams, generator=gen)) + 1e-6
-    return _to(dict(inputs, pre_mix=carried if problem.delayed else None), device)
+    return _to(dict(inputs, **_collapse_inputs(problem, gen)), device)
 
 
 # ---------------------------------------------------------------- comparisons
@@ -224,19 +240,19 @@ def post_cost(p: MhcProblem) -> Cost:
 
 
 def pre_cost(p: MhcProblem) -> Cost:
-    """The residual read once, fn, the layer input and gates written; the GEMM (2 M ops per element), the sum
-    of squares and the collapse (2 ops per element) dominate the arithmetic."""
+    """The residual read once, fn (and a carried pre-mix), the layer input and gates written; the GEMM (2 M ops per
+    element), the sum of squares and the collapse (2 ops per element) dominate the arithmetic."""
     streams = p.tokens * p.width
     moved = streams * BF16 + p.mixes * p.width * FP32 + p.tokens * p.hidden * BF16 + _gate_bytes(p)
     moved += p.hidden * BF16 if p.has_norm else 0
+    moved += p.tokens * p.streams * FP32 if p.collapse == "carried" else 0
     return Cost(flops=streams * (2 * p.mixes + 4), bytes=moved)
 
 
 def post_pre_cost(p: MhcProblem) -> Cost:
     """mhc_post + mhc_pre without the round trip of the new residual (written once, never read back)."""
     post, pre = post_cost(p), pre_cost(p)
-    carried = p.tokens * p.streams * FP32 if p.delayed else 0
-    return Cost(flops=post.flops + pre.flops, bytes=post.bytes + pre.bytes - p.tokens * p.width * BF16 + carried)
+    return Cost(flops=post.flops + pre.flops, bytes=post.bytes + pre.bytes - p.tokens * p.width * BF16)
 
 
 # ---------------------------------------------------------------- presets
@@ -250,11 +266,12 @@ def _model(tokens=MODEL_TOKENS, **flags) -> dict:
 
 SINKHORN_PRESETS = {"smoke": (SinkhornProblem(1), SinkhornProblem(37)),
                     "v41-flash": tuple(SinkhornProblem(t) for t in MODEL_TOKENS)}
-PRE_PRESETS = {"smoke": (MhcProblem(1, 256), MhcProblem(37, 256)), **_model()}
-POST_PRESETS = PRE_PRESETS
-# the model's chain: delayed, with the RMSNorm of the next sublayer's input fused
-POST_PRE_PRESETS = {"smoke": (MhcProblem(1, 256, delayed=True), MhcProblem(37, 256, delayed=True)),
-                    **_model(delayed=True, has_norm=True)}
+POST_PRESETS = {"smoke": (MhcProblem(1, 256), MhcProblem(37, 256)), **_model()}
+# smoke: each collapse once (V4's pre; V4.1's model entry); the model widths: V4's pre
+PRE_PRESETS = {"smoke": (MhcProblem(1, 256), MhcProblem(37, 256, collapse="stream0")), **_model()}
+# the model's chain: delayed (carried pre-mix), with the RMSNorm of the next sublayer's input fused
+POST_PRE_PRESETS = {"smoke": (MhcProblem(1, 256, collapse="carried"), MhcProblem(37, 256, collapse="carried")),
+                    **_model(collapse="carried", has_norm=True)}
 
 
 # ---------------------------------------------------------------- entry points and records
@@ -274,24 +291,31 @@ def sinkhorn(x, iters=20, eps=1e-6, *, backend="auto", config=None):
     return call(SINKHORN, dict(x=x, iters=iters, eps=eps), backend, config)
 
 
-def mhc_pre(residual, fn, hc_scale, hc_base, *, rms_eps=1e-6, pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0,
-            iters=20, norm_weight=None, norm_eps=1e-6, backend="auto", config=None):
+def mhc_pre(residual, fn, hc_scale, hc_base, *, pre_mix=None, delayed=None, rms_eps=1e-6, pre_eps=1e-6,
+            sinkhorn_eps=1e-6, post_mult=2.0, iters=20, norm_weight=None, norm_eps=1e-6, backend="auto",
+            config=None):
     """The mHC pre block: gates from the RMS-scaled mixes of the residual streams, and the layer input.
 
     x = residual as [T, n*D] fp32; mix = (x @ fn^T) * rsqrt(mean(x^2) + rms_eps);
     pre = sigmoid(mix[:n] s0 + b[:n]) + pre_eps; post = post_mult * sigmoid(mix[n:2n] s1 + b[n:2n]);
     comb = sinkhorn(mix[2n:] as [n, n] * s2 + b[2n:], iters, sinkhorn_eps);
-    layer_input = bf16(sum_i pre_i residual_i), then RMSNorm with norm_weight when given.
+    layer_input, then RMSNorm with norm_weight when given:
+      delayed=False (no pre_mix)      bf16(sum_i pre_i residual_i)       V4
+      delayed=True with pre_mix       bf16(sum_i pre_mix_i residual_i)   V4.1's delayed pre (vLLM's mhc_pre_delayed)
+      delayed=True without pre_mix    residual[:, 0] exactly              V4.1 at model entry (vLLM's pre_mix=None)
+      delayed=None (default)          delayed iff pre_mix is given
+    delayed=False with a pre_mix is an error. pre is always the one computed now (the next pre_mix to carry).
 
     Args:
         residual: [T, n, D] bf16 streams. fn: [(2+n)n, n*D] fp32. hc_scale: [3] fp32 (s0, s1, s2).
-        hc_base: [(2+n)n] fp32 (b). norm_weight: [D] bf16 or None.
+        hc_base: [(2+n)n] fp32 (b). pre_mix: [T, n] fp32 or None. delayed: bool or None.
+        norm_weight: [D] bf16 or None.
     Returns:
         PreOutputs(layer_input [T, D] bf16, pre [T, n], post [T, n], comb [T, n, n]) (fp32 gates).
     """
-    inputs = dict(residual=residual, fn=fn, hc_scale=hc_scale, hc_base=hc_base, rms_eps=rms_eps, pre_eps=pre_eps,
-                  sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, iters=iters, norm_weight=norm_weight,
-                  norm_eps=norm_eps)
+    inputs = dict(residual=residual, fn=fn, hc_scale=hc_scale, hc_base=hc_base, pre_mix=pre_mix, delayed=delayed,
+                  rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, iters=iters,
+                  norm_weight=norm_weight, norm_eps=norm_eps)
     return call(MHC_PRE, inputs, backend, config)
 
 
@@ -306,24 +330,26 @@ def mhc_post(y, residual, post, comb, *, backend="auto", config=None):
     return call(MHC_POST, dict(y=y, residual=residual, post=post, comb=comb), backend, config)
 
 
-def mhc_post_pre(y, residual, post, comb, fn, hc_scale, hc_base, *, pre_mix=None, rms_eps=1e-6, pre_eps=1e-6,
-                 sinkhorn_eps=1e-6, post_mult=2.0, iters=20, norm_weight=None, norm_eps=1e-6, backend="auto",
-                 config=None):
+def mhc_post_pre(y, residual, post, comb, fn, hc_scale, hc_base, *, pre_mix=None, delayed=None, rms_eps=1e-6,
+                 pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, iters=20, norm_weight=None, norm_eps=1e-6,
+                 backend="auto", config=None):
     """The V4.1 chain in one call: mhc_post of the finished sublayer, then mhc_pre of the next.
 
-    new = mhc_post(y, residual, post, comb); the next gates come from `new` as in mhc_pre; the layer
-    input is collapsed with pre_mix, the pre-mix carried from the previous sublayer (V4.1's delayed pre),
-    or with the pre-mix computed now when pre_mix is None. The new residual is rounded to bf16 before
-    it feeds the next pre, exactly as the unfused composition.
+    new = mhc_post(y, residual, post, comb); then mhc_pre on `new`: the next gates, and the layer input
+    collapsed as pre_mix and delayed select (mhc_pre): with the pre computed now (delayed=False), with the
+    pre-mix carried from the previous sublayer (V4.1's delayed pre: delayed=True with pre_mix), or as new
+    stream 0 itself (delayed=True without pre_mix); delayed=None (default) means delayed iff pre_mix is
+    given. The new residual is rounded to bf16 before it feeds the next pre, exactly as the unfused
+    composition.
 
-    Args: those of mhc_post and mhc_pre; pre_mix: [T, n] fp32 or None.
+    Args: those of mhc_post and mhc_pre; pre_mix: [T, n] fp32 or None; delayed: bool or None.
     Returns:
         ChainOutputs(residual [T, n, D] bf16, layer_input [T, D] bf16, pre [T, n] (computed now, to carry on),
         post [T, n], comb [T, n, n]).
     """
     inputs = dict(y=y, residual=residual, post=post, comb=comb, fn=fn, hc_scale=hc_scale, hc_base=hc_base,
-                  pre_mix=pre_mix, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult,
-                  iters=iters, norm_weight=norm_weight, norm_eps=norm_eps)
+                  pre_mix=pre_mix, delayed=delayed, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps,
+                  post_mult=post_mult, iters=iters, norm_weight=norm_weight, norm_eps=norm_eps)
     return call(MHC_POST_PRE, inputs, backend, config)
 
 
@@ -362,7 +388,7 @@ MHC_POST = Operator(
 )
 
 MHC_POST_PRE = Operator(
-    name="mhc_post_pre", summary="mHC chain: post, then the next (delayed) pre, in one call",
+    name="mhc_post_pre", summary="mHC chain: post, then the next (V4 or V4.1 delayed) pre, in one call",
     entry=mhc_post_pre, reference=ref.mhc_post_pre,
     implementations=_implementations(triton_mhc.plan_post_pre, tilelang_mhc.post_pre_program,
                                      tilelang_mhc.post_pre_args, "pre"),

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from flashkern.reference.mhc import ChainOutputs, PreOutputs, mix_width
+from flashkern.reference.mhc import COLLAPSES, ChainOutputs, PreOutputs, mix_width
 from flashkern.registry import SizedProblem
 
 V41_STREAMS = 4
@@ -32,16 +32,21 @@ class SinkhornProblem(SizedProblem):
 class MhcProblem(SizedProblem):
     """mhc_pre / mhc_post / mhc_post_pre over `tokens` tokens of `streams` x `hidden` residual streams.
 
-    has_norm: the layer input is RMS-normalized (norm_weight given); delayed: the chain collapses the
-    layer input with a carried pre-mix.
+    has_norm: the layer input is RMS-normalized (norm_weight given); collapse: what collapses the layer input
+    of mhc_pre / mhc_post_pre, one of reference.mhc.COLLAPSES: "fresh" (the pre computed now, V4), "carried"
+    (a carried pre-mix, V4.1's delayed pre) or "stream0" (residual stream 0 itself, V4.1 at model entry).
     """
 
     tokens: int
     hidden: int
     streams: int = V41_STREAMS
     has_norm: bool = False
-    delayed: bool = False
+    collapse: str = "fresh"
     SIZES: ClassVar = ("tokens",)
+
+    def __post_init__(self):
+        if self.collapse not in COLLAPSES:
+            raise ValueError(f"collapse must be one of {COLLAPSES}, got {self.collapse!r}")
 
     @property
     def mixes(self) -> int:

@@ -5,8 +5,8 @@
     post:      out_j = bf16(sum_i comb[i, j] res_i + post_j y)                     [T, n, D] bf16
     pre:       mix = (x @ fn^T) * rsqrt(mean(x^2) + rms_eps), x = residual [T, n * D] in fp32;
                pre = sigmoid(mix[:n] s0 + b[:n]) + pre_eps, post = sigmoid(mix[n:2n] s1 + b[n:2n]) * post_mult,
-               comb = sinkhorn(mix[2n:] s2 + b[2n:]); layer_input = bf16(sum_i p_i res_i), optionally
-               RMS-normed (p = pre, or the carried pre_mix of the delayed chain)
+               comb = sinkhorn(mix[2n:] s2 + b[2n:]); layer_input = bf16(sum_i p_i res_i) with p = pre ("fresh")
+               or the carried pre_mix ("carried"), or res_0 copied ("stream0"); optionally RMS-normed
     post_pre:  post, then pre over the new residual (reference/mhc.py is the contract)
 
 Tile plan:
@@ -25,9 +25,10 @@ Tile plan:
        mix_parts[s, t, :] and sq_parts[s, t].
     2. epilogue, a program per epi_block_t tokens (one source for pre and post_pre):
        split sums in order s = 0, 1, ..; then a thread per token: rms scale, gates, Sinkhorn, stores;
-       then the layer input over D in epi_block_d tiles: bf16(sum_i p_i res_i) stored, its squares
-       summed; with a norm weight (a run-time flag, as the delayed pre_mix) a second pass rescales the
-       stored row by rsqrt(mean(li^2) + norm_eps) * w.
+       then the layer input over D in epi_block_d tiles: bf16(sum_i p_i res_i), or stream 0's bf16
+       values stored as they are (a select, never a one-hot multiply, which would turn another stream's
+       inf into NaN), its squares summed; with a norm weight a second pass rescales the stored row by
+       rsqrt(mean(li^2) + norm_eps) * w. The collapse and the norm are run-time flags.
 T, D and the split count are dynamic and the scalars (iters, the epsilons, post_mult) are run-time
 arguments, so one compiled kernel per source serves every shape. The CPU flavour takes bf16 as uint16
 bits; the index math and the summation order are the same for both targets, and fixed, so repeated
@@ -48,6 +49,9 @@ from flashkern.kernels.mhc.problem import (
     empty_residual,
     split_plan,
 )
+from flashkern.reference.mhc import COLLAPSES
+
+CARRIED, STREAM0 = COLLAPSES.index("carried"), COLLAPSES.index("stream0")  # the epilogue's `collapse` flag
 
 
 def _pow2(x: int) -> int:
@@ -288,8 +292,9 @@ def _gemm_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bo
 def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
     """Gates, Sinkhorn and the layer input from the split partials (module docstring, stage 2).
 
-    delayed and has_norm are run-time flags: PreIn [rows, n] is read only when delayed (rows = T),
-    Norm [width] only with has_norm (width = D); otherwise they are 1-row placeholders.
+    collapse (the index of problem.collapse in COLLAPSES) and has_norm are run-time flags: PreIn [rows, n] is
+    read only when collapse is CARRIED (rows = T), Norm [width] only with has_norm (width = D); otherwise they
+    are 1-row placeholders.
     """
     n, M = problem.streams, problem.mixes
     ET, EBD = config["epi_block_t"], config["epi_block_d"]
@@ -316,7 +321,7 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
         post_mult: T.float32,
         iters: T.int32,
         norm_eps: T.float32,
-        delayed: T.int32,
+        collapse: T.int32,
         has_norm: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, ET), threads=config["epi_threads"]) as bx:
@@ -347,7 +352,7 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
                 rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
                 for i in T.unroll(n):
                     gate = 1.0 / (1.0 + T.exp(-(mix[r, i] * rstd * Scale[0] + Base[i]))) + pre_eps
-                    p[r, i] = T.if_then_else(delayed != 0, PreIn[T.min(t, PR - 1), i], gate)
+                    p[r, i] = T.if_then_else(collapse == CARRIED, PreIn[T.min(t, PR - 1), i], gate)
                     if bx * ET + r < NT:
                         Pre[t, i] = gate
                         Post[t, i] = 1.0 / (1.0 + T.exp(-(mix[r, n + i] * rstd * Scale[1] + Base[n + i]))) * post_mult
@@ -358,17 +363,22 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
                     for k in T.unroll(n * n):
                         Comb[t, k // n, k % n] = m[k]
 
-            # 3. layer input = bf16(sum_i p_i res_i), stored; the squares of the rounded values add up
+            # 3. layer input = bf16(sum_i p_i res_i) or stream 0 as it is, stored; the squares of the stored values
+            #    add up
             for r, d in fl.parallel(ET, EBD):
                 squares[r, d] = 0.0
             for kd in T.serial(T.ceildiv(D, EBD)):
                 for r, d in fl.parallel(ET, EBD):
                     if (bx * ET + r < NT) & (kd * EBD + d < D):
-                        total = 0.0
-                        for i in T.unroll(n):
-                            total = total + p[r, i] * fl.load_bf16(Res[bx * ET + r, i, kd * EBD + d])
-                        total = fl.round_bf16(total)
-                        LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(total)
+                        if collapse == STREAM0:
+                            LayerInput[bx * ET + r, kd * EBD + d] = Res[bx * ET + r, 0, kd * EBD + d]
+                            total = fl.load_bf16(Res[bx * ET + r, 0, kd * EBD + d])
+                        else:
+                            total = 0.0
+                            for i in T.unroll(n):
+                                total = total + p[r, i] * fl.load_bf16(Res[bx * ET + r, i, kd * EBD + d])
+                            total = fl.round_bf16(total)
+                            LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(total)
                         squares[r, d] = squares[r, d] + total * total
 
             # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
@@ -392,13 +402,13 @@ def _epilogue_args(problem: MhcProblem, inputs: dict, fl: Flavour, residual, par
     """Epilogue arguments: residual is the stage's input (the new residual for post_pre); outputs the
     (layer_input, pre, post, comb) to fill."""
     device = residual.device
-    pre_in = inputs["pre_mix"] if problem.delayed else torch.zeros((1, problem.streams), device=device)
+    pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, problem.streams), device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.zeros(1, dtype=torch.bfloat16, device=device)
     layer_input, pre, post, comb = outputs
     return [fl.bf16_arg(residual), *partials, inputs["hc_scale"], inputs["hc_base"], pre_in, fl.bf16_arg(norm),
             fl.bf16_arg(layer_input), pre, post, comb, float(inputs["rms_eps"]), float(inputs["pre_eps"]),
             float(inputs["sinkhorn_eps"]), float(inputs["post_mult"]), int(inputs["iters"]),
-            float(inputs["norm_eps"]), int(problem.delayed), int(problem.has_norm)]
+            float(inputs["norm_eps"]), COLLAPSES.index(problem.collapse), int(problem.has_norm)]
 
 
 def _partials(problem: MhcProblem, config: dict, device):

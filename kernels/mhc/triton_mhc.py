@@ -5,9 +5,10 @@
     pre:           mix[t, m] = (sum_{j,d} x[t, j, d] fn[m, j D + d]) * rsqrt(sum x^2 / (n D) + rms_eps)
                    pre = sigmoid(mix[:n] s0 + b[:n]) + pre_eps, post = sigmoid(mix[n:2n] s1 + b[n:2n]) post_mult,
                    comb = sinkhorn(mix[2n:] as [n, n] s2 + b[2n:]),
-                   layer_input[t, d] = bf16(sum_i p_i residual[t, i, d]), then optionally
+                   layer_input[t, d] = bf16(sum_i p_i residual[t, i, d]) with p = pre ("fresh") or the carried
+                   pre_mix ("carried"), or residual[t, 0, d] copied ("stream0"); then optionally
                    bf16(li rsqrt(mean(li^2) + norm_eps) norm_weight) over the rounded li
-    post_pre:      pre on x = post(y, residual, post, comb) (stored as the new residual), p = pre_mix when delayed
+    post_pre:      pre on x = post(y, residual, post, comb) (stored as the new residual)
 
 Tile plan (n streams padded to NP, a power of two; padded streams and D tails are masked):
   sinkhorn:  a program owns BLOCK_B matrices as a [BLOCK_B, NP, NP] tile and iterates in registers.
@@ -22,7 +23,9 @@ Tile plan (n streams padded to NP, a power of two; padded streams and D tails ar
              mix_parts[s, t, :M] and sq_parts[s, t].
   pre, epilogue: a program per BLOCK_T tokens sums the partials in split order 0..S-1, forms the gates, runs the
              Sinkhorn helper on a [BLOCK_T, NP, NP] tile, then collapses the residual BLOCK_D columns at a time
-             (with HAS_NORM, a second pass rescales the stored bf16 layer input).
+             (COLLAPSE, a constexpr, selects the weights, or stream 0's bf16 values stored as they are: a select,
+             never a one-hot multiply, which would turn another stream's inf into NaN); with HAS_NORM, a second
+             pass rescales the stored bf16 layer input.
 The GEMM reaches fp32 accuracy in two tf32 MMAs (x holds bf16 values, exact in tf32; fn is split in a tf32
 high part and the exact rest). Every sum has a fixed order, so repeated runs are bitwise identical. Token rows
 are addressed in int64.
@@ -157,7 +160,7 @@ def mhc_gemm_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr,
 def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_mix_ptr, norm_ptr,
                         li_ptr, pre_ptr, post_ptr, comb_ptr,
                         T, D, splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
-                        N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, DELAYED: tl.constexpr,
+                        N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, COLLAPSE: tl.constexpr,
                         HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Gates, Sinkhorn and layer input of tokens [BLOCK_T program_id(0), +BLOCK_T) from the GEMM stage's partials."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -198,20 +201,26 @@ def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_pt
     tl.store(pre_ptr + t2 * N + i2, pre, mask=gate_ok)
     tl.store(post_ptr + t2 * N + i2, post, mask=gate_ok)
     tl.store(comb_ptr + t3 * (N * N) + comb_at, comb, mask=comb_ok)
-    # 3. layer input: bf16(sum_i p_i residual_i), optionally RMS-normalized over the rounded values
-    if DELAYED:
+    # 3. layer input: bf16(sum_i p_i residual_i) or stream 0 as it is, optionally RMS-normalized over the rounded
+    #    values
+    if COLLAPSE == "carried":
         p = tl.load(pre_mix_ptr + t2 * N + i2, mask=gate_ok, other=0.0)
     else:
-        p = pre
+        p = pre  # unused by "stream0"
     res_rows = res_ptr + t3 * (N * D) + i3 * D
     li_rows = li_ptr + t2 * D
     ssq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         row_ok = t_ok[:, None] & (d < D)[None, :]
-        r = tl.load(res_rows + d[None, None, :], mask=row_ok[:, None, :] & (i3 < N), other=0.0).to(tl.float32)
-        li = round_to_bf16(tl.sum(p[:, :, None] * r, axis=1))
-        tl.store(li_rows + d[None, :], li.to(tl.bfloat16), mask=row_ok)
+        if COLLAPSE == "stream0":
+            first = tl.load(res_ptr + t2 * (N * D) + d[None, :], mask=row_ok, other=0.0)
+            tl.store(li_rows + d[None, :], first, mask=row_ok)
+            li = first.to(tl.float32)
+        else:
+            r = tl.load(res_rows + d[None, None, :], mask=row_ok[:, None, :] & (i3 < N), other=0.0).to(tl.float32)
+            li = round_to_bf16(tl.sum(p[:, :, None] * r, axis=1))
+            tl.store(li_rows + d[None, :], li.to(tl.bfloat16), mask=row_ok)
         if HAS_NORM:
             ssq += li * li
     if HAS_NORM:
@@ -278,13 +287,13 @@ def _pre_launches(problem, inputs: dict, config: dict, outputs, post_args: dict 
         mhc_epilogue_kernel, grid=(triton.cdiv(t, config["epi_block_t"]),),
         args=dict(res_ptr=outputs.residual if has_post else residual, mix_parts_ptr=mix_parts,
                   sq_parts_ptr=sq_parts, scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
-                  pre_mix_ptr=inputs["pre_mix"] if problem.delayed else None,
+                  pre_mix_ptr=inputs["pre_mix"] if problem.collapse == "carried" else None,
                   norm_ptr=inputs["norm_weight"], li_ptr=outputs.layer_input, pre_ptr=outputs.pre,
                   post_ptr=outputs.post, comb_ptr=outputs.comb, T=t, D=d, splits=splits,
                   rms_eps=float(inputs["rms_eps"]), pre_eps=float(inputs["pre_eps"]),
                   sinkhorn_eps=float(inputs["sinkhorn_eps"]), post_mult=float(inputs["post_mult"]),
                   iters=int(inputs["iters"]), norm_eps=float(inputs["norm_eps"]), M=problem.mixes,
-                  DELAYED=problem.delayed, HAS_NORM=problem.has_norm, BLOCK_T=config["epi_block_t"],
+                  COLLAPSE=problem.collapse, HAS_NORM=problem.has_norm, BLOCK_T=config["epi_block_t"],
                   BLOCK_D=config["epi_block_d"], **_streams(n)),
         num_warps=config["epi_warps"])
     return gemm, epilogue
