@@ -1,28 +1,41 @@
-"""Fused MoE routing: the reference (SPECS.md section 1).
+"""Fused MoE routing: the reference (SPECS.md section 1), following vLLM's routing kernels.
 
 For router logits x [T, E] (fp32):
 
     s = score(x)                       sqrtsoftplus: sqrt(log(1 + e^x)); sigmoid: 1 / (1 + e^-x);
                                        softmax: e^x / sum_e e^x over the experts of the row
-    b = s + bias                       selection keys (bias: per-expert correction, optional)
-    with groups (n_group > 1): a group's score is the sum of its two largest b; only the
-                               topk_group best groups stay eligible
-    ids = top_k of b among eligible experts
+    s = s if s is finite else 0        NaN and +-inf scores become 0 (vLLM's nan_to_num on the scores)
+    b = s + bias                       selection keys (bias: per-expert correction, optional);
+                                       a NaN key (only a NaN bias makes one) ranks below every number
+    with groups (n_group > 1): every group gets a score from its keys b,
+        "max":  the largest b of the group (vLLM's grouped_topk without a bias, the V2 form: b = s there)
+        "top2": the sum of the group's two largest b (vLLM's grouped_topk with a bias, the V3 form)
+        group_score="auto" (the default) is "top2" with a bias and "max" without, as in vLLM;
+        only the topk_group best groups stay eligible
+    ids = top_k of b among eligible experts, in descending b
     w = s[ids]                         unbiased scores of the chosen experts
-    if renormalize: w = w / max(sum(w), 1e-20)
-    w = w * scaling_factor
+    if renormalize: w = w / (sum(w) if sum(w) > 0 else 1)
+    w = w * scaling_factor             (whether or not renormalize)
 
 Rows with valid[t] == False give ids -1 and weights 0, whatever their logits (NaN included).
 
-Choices the spec leaves open, fixed here and followed by every implementation:
-- a NaN selection key ranks below every number: NaN (and -inf) keys are replaced by the lowest
-  finite fp32 before selection, so ids are always in range and distinct; the weight of a
-  chosen NaN score is NaN;
-- ties may be broken in any order (implementations take the lowest expert id);
-- the order of the k entries of a row is unspecified (implementations emit descending b);
+Rules every implementation follows exactly (so all backends return the same ids for the same scores):
+- ties, among experts and among groups, go to the lower id; the k entries of a row are in descending
+  b, ties in ascending id (a stable descending sort, as vLLM's kernels order them);
+- non-finite scores count as 0, so rows with NaN or infinite logits (some or all) give k distinct
+  in-range ids and finite weights: an all-NaN row gives the top_k of the bias (the lowest ids without
+  one) with weight 0 (the zero sum renormalizes by 1). With softmax, one NaN or +inf logit makes every
+  score of its row NaN, hence 0. Deviation from vLLM: its sqrtsoftplus kernel clamps only NaN and
+  returns NaN weights for a +inf logit; here +inf scores become 0 as well, so weights are always finite;
+- NaN and -inf keys are replaced by the lowest finite fp32 before selection, so a NaN bias ranks its
+  expert last;
 - fused gate form: logits = RMSNorm(h) @ W^T in fp32, where RMSNorm is computed in fp32 and
   rounded to bf16 before the product (as an unfused bf16 RMSNorm would), and skipped
   when no norm weight is given.
+Scores are computed by each backend's own exp/log/sqrt, so they agree to rounding, not bitwise: ids are
+identical across backends wherever that rounding does not reorder two keys (exact ties from equal
+logits always break the same way). On GPUs, flush-to-zero may also tie the scores of logits below about
+-87, which the CPU paths tell apart.
 """
 
 from __future__ import annotations
@@ -30,20 +43,23 @@ from __future__ import annotations
 import torch
 
 SCORES = ("sqrtsoftplus", "sigmoid", "softmax")
+GROUP_SCORES = ("auto", "max", "top2")
 
 LOWEST = torch.finfo(torch.float32).min
 
 
 def scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """Per-expert scores s = score(logits), fp32."""
+    """Per-expert scores s = score(logits), fp32, with non-finite scores (NaN, +-inf) set to 0."""
     x = logits.float()
     if score == "sqrtsoftplus":
-        return torch.sqrt(torch.nn.functional.softplus(x))
-    if score == "sigmoid":
-        return torch.sigmoid(x)
-    if score == "softmax":
-        return torch.softmax(x, dim=-1)
-    raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        s = torch.sqrt(torch.nn.functional.softplus(x))
+    elif score == "sigmoid":
+        s = torch.sigmoid(x)
+    elif score == "softmax":
+        s = torch.softmax(x, dim=-1)
+    else:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return torch.where(torch.isfinite(s), s, 0.0)
 
 
 def selection_keys(s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,10 +68,34 @@ def selection_keys(s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.where(torch.isnan(b), LOWEST, b).clamp(min=LOWEST)
 
 
-def group_scores(b: torch.Tensor, n_group: int) -> torch.Tensor:
-    """Score of each expert group: the sum of its two largest keys (at least the lowest finite fp32), [T, n_group]."""
+def group_form(group_score: str, has_bias: bool) -> str:
+    """The group score a call uses, "max" or "top2": group_score="auto" means "top2" with a bias, else "max"."""
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
+    if group_score == "auto":
+        return "top2" if has_bias else "max"
+    return group_score
+
+
+def group_scores(b: torch.Tensor, n_group: int, form: str) -> torch.Tensor:
+    """Score of each expert group from its keys, [T, n_group]: the largest ("max") or the sum of the two
+    largest ("top2", at least the lowest finite fp32)."""
     tokens, experts = b.shape
-    return b.view(tokens, n_group, experts // n_group).topk(2, dim=-1).values.sum(dim=-1).clamp(min=LOWEST)
+    grouped = b.view(tokens, n_group, experts // n_group)
+    if form == "max":
+        return grouped.amax(dim=-1)
+    return grouped.topk(2, dim=-1).values.sum(dim=-1).clamp(min=LOWEST)
+
+
+def top_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest keys of each row, in descending key, ties to the lower position."""
+    return keys.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def renormalized(weights: torch.Tensor) -> torch.Tensor:
+    """w / (sum(w) if sum(w) > 0 else 1) per row."""
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(total > 0, total, 1.0)
 
 
 def moe_route(
@@ -66,24 +106,25 @@ def moe_route(
     score: str = "sqrtsoftplus",
     n_group: int = 1,
     topk_group: int = 1,
+    group_score: str = "auto",
     renormalize: bool = True,
     scaling_factor: float = 1.0,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route each token to top_k experts: returns (weights [T, k] fp32, ids [T, k] int32)."""
+    """Route each token to top_k experts: returns (weights [T, k] fp32, ids [T, k] int32), in descending key."""
     s = scores(logits, score)
     b = selection_keys(s, bias)
     if n_group > 1:
         tokens, experts = b.shape
-        best_groups = group_scores(b, n_group).topk(topk_group, dim=-1).indices
+        best_groups = top_indices(group_scores(b, n_group, group_form(group_score, bias is not None)), topk_group)
         group_mask = torch.zeros(tokens, n_group, dtype=torch.bool, device=b.device)
         group_mask.scatter_(1, best_groups, True)
         eligible = group_mask.repeat_interleave(experts // n_group, dim=1)
         b = b.masked_fill(~eligible, float("-inf"))
-    ids = b.topk(top_k, dim=-1).indices
+    ids = top_indices(b, top_k)
     weights = s.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+        weights = renormalized(weights)
     weights = weights * scaling_factor
     if valid is not None:
         weights = weights.masked_fill(~valid[:, None], 0.0)
@@ -117,6 +158,7 @@ def moe_route_gate(
     score: str = "sqrtsoftplus",
     n_group: int = 1,
     topk_group: int = 1,
+    group_score: str = "auto",
     renormalize: bool = True,
     scaling_factor: float = 1.0,
     valid: torch.Tensor | None = None,
@@ -124,6 +166,6 @@ def moe_route_gate(
     """Fused gate and routing: moe_route(gate_logits(hidden, gate_weight, norm_weight), ...)."""
     logits = gate_logits(hidden, gate_weight, norm_weight, norm_eps)
     return moe_route(
-        logits, bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
+        logits, bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, group_score=group_score,
         renormalize=renormalize, scaling_factor=scaling_factor, valid=valid,
     )

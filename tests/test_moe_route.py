@@ -1,10 +1,13 @@
 """Fused MoE routing: every implementation (default config and sampled configs) against the reference.
 
-Hypothesis draws the routing rule (experts, groups, top_k, score), the token count (odd sizes,
-tails that are not multiples of a tile) and how values look (normal, exact ties, extreme and
-infinite logits, NaN in valid rows, a dominating bias); tensors come from a drawn seed so
-failures shrink to small shapes. The property oracle (kernels/moe_route.check_routing_result)
-accepts any correct tie choice and checks weights against the reference formula.
+Hypothesis draws the routing rule (experts, groups, group score, top_k, score), the token count
+(odd sizes, tails that are not multiples of a tile) and how values look (normal, exact ties on a
+grid or from bf16 rounding, extreme and infinite logits, NaN in valid rows, rows partly or wholly
+NaN / +inf / -inf, a dominating bias); tensors come from a drawn seed so failures shrink to small
+shapes. The property oracle (kernels/moe_route.check_routing_result) accepts near ties (scores
+differ by rounding between backends), enforces the lower-id rule on exact ties and checks finite
+weights against the reference formula. Fixed cases check that every backend returns bitwise the
+same ids on tie-heavy and non-finite inputs, and the vLLM rules for NaN / Inf rows and group scores.
 """
 
 import pytest
@@ -21,7 +24,8 @@ from flashkern.reference import moe_route as ref
 MOE_ROUTE = registry.get("moe_route")
 MOE_ROUTE_GATE = registry.get("moe_route_gate")
 KERNELS = ("triton", "tilelang")
-VALUE_MODES = ("normal", "ties", "extreme", "nan_in_valid_rows", "dominant_bias")
+VALUE_MODES = ("normal", "ties", "bf16", "extreme", "nan_in_valid_rows", "nonfinite_rows", "dominant_bias")
+NONFINITE = torch.tensor([float("nan"), float("inf"), float("-inf")])
 
 
 @st.composite
@@ -35,9 +39,10 @@ def routings(draw) -> Routing:
     experts = draw(st.sampled_from([2, 7, 16, 40, 64, 160, 384]))
     n_group = draw(st.sampled_from([g for g in (1, 2, 4, 8) if experts % g == 0 and (g == 1 or experts // g >= 2)]))
     topk_group = draw(st.integers(1, n_group)) if n_group > 1 else 1
+    group_score = draw(st.sampled_from(ref.GROUP_SCORES)) if n_group > 1 else "auto"
     top_k = draw(st.integers(1, min(12, topk_group * experts // n_group)))
     return Routing(experts=experts, top_k=top_k, score=draw(st.sampled_from(ref.SCORES)), n_group=n_group,
-                   topk_group=topk_group, renormalize=draw(st.booleans()),
+                   topk_group=topk_group, group_score=group_score, renormalize=draw(st.booleans()),
                    scaling_factor=draw(st.sampled_from([1.0, 1.5, 2.5])))
 
 
@@ -49,12 +54,21 @@ def fill_values(gen: torch.Generator, tokens: int, experts: int, mode: str, vali
         logits = torch.randint(-3, 4, (tokens, experts), generator=gen).float() / 2
         if bias is not None:
             bias = torch.randint(-1, 2, (experts,), generator=gen).float() / 4
+    elif mode == "bf16":  # values that went through bf16, as router logits often did: exact ties are common
+        logits = logits.bfloat16().float()
+        if bias is not None:
+            bias = bias.bfloat16().float()
     elif mode == "extreme":
         pick = torch.randint(0, 6, (tokens, experts), generator=gen)
         big = torch.tensor([1e4, -1e4, 88.0, -88.0, float("inf"), float("-inf")])
         logits = torch.where(torch.rand(tokens, experts, generator=gen) < 0.3, big[pick], logits)
     elif mode == "nan_in_valid_rows":
         logits[torch.rand(tokens, experts, generator=gen) < 0.05] = float("nan")
+    elif mode == "nonfinite_rows":  # half the rows: NaN, +inf or -inf in every entry, or in half of them
+        bad = NONFINITE[torch.randint(0, 3, (tokens, 1), generator=gen)].expand(tokens, experts)
+        whole = torch.rand(tokens, 1, generator=gen) < 0.5
+        hit = (torch.rand(tokens, 1, generator=gen) < 0.5) & (whole | (torch.rand(tokens, experts, generator=gen) < 0.5))
+        logits = torch.where(hit, bad, logits)
     elif mode == "dominant_bias" and bias is not None:
         bias[torch.randperm(experts, generator=gen)[: max(1, experts // 8)]] = 100.0
     if valid is not None:
@@ -139,11 +153,126 @@ def test_model_presets_match_reference(backend, routing):
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
 def test_every_expert_tied(backend):
-    """All keys equal: any k distinct experts are right; a knock-out bug would repeat one."""
+    """All keys equal: ties go to the lowest groups, then the lowest ids, in ascending order."""
     inputs = on_device(dict(logits=torch.zeros(33, 64), bias=None, valid=None, **Routing(64, 8, "sigmoid", 4, 2).kwargs()))
     weights, ids = run_and_check(MOE_ROUTE, inputs, backend)
-    assert all(len(set(row)) == 8 for row in ids.tolist())
+    assert (ids.cpu() == torch.arange(8, dtype=torch.int32)).all()
     torch.testing.assert_close(weights, torch.full_like(weights, 1 / 8))
+
+
+def tie_and_nonfinite_rows(gen: torch.Generator, experts: int, repeats: int = 4) -> torch.Tensor:
+    """Logits whose keys tie exactly or are not finite, `repeats` rows of each kind: bf16-rounded normals,
+    a coarse grid, all-equal rows, a grid with some NaN, some +inf and some -inf, rows that are all NaN,
+    all +inf, all -inf or a mix of the three, and a grid far below 0 (sigmoid scores near 1e-26: a tiny
+    but positive sum to renormalize by)."""
+    nan, inf = float("nan"), float("inf")
+
+    def grid():
+        return torch.randint(-3, 4, (repeats, experts), generator=gen).float() / 2
+
+    def some(value):
+        rows = grid()
+        rows[torch.rand(repeats, experts, generator=gen) < 0.3] = value
+        return rows
+
+    kinds = [
+        (2 * torch.randn(repeats, experts, generator=gen)).bfloat16().float(),
+        grid(),
+        torch.full((repeats, experts), 0.75),
+        some(nan), some(inf), some(-inf),
+        torch.full((repeats, experts), nan), torch.full((repeats, experts), inf), torch.full((repeats, experts), -inf),
+        NONFINITE[torch.randint(0, 3, (repeats, experts), generator=gen)],
+        grid() - 60,
+    ]
+    return torch.cat(kinds)
+
+
+BITWISE_CASES = [  # (routing, with a bias, with a row mask)
+    (Routing(7, 5, "sqrtsoftplus"), False, False),
+    (V41_FLASH, True, False),
+    (V3, True, True),
+    (Routing(64, 8, "softmax", n_group=8, topk_group=3), False, False),  # "auto" without a bias: "max"
+    (Routing(64, 4, "sigmoid", n_group=4, topk_group=2, group_score="max", renormalize=False, scaling_factor=2.5),
+     True, False),
+    (Routing(16, 4, "softmax", n_group=4, topk_group=2, group_score="top2"), False, True),
+]
+
+
+@pytest.mark.parametrize("routing, has_bias, has_valid", BITWISE_CASES,
+                         ids=[f"{r.experts}x{r.top_k}-{r.score}-g{r.n_group}-{r.group_score}" + "-bias" * b + "-valid" * v
+                              for r, b, v in BITWISE_CASES])
+def test_backends_return_identical_ids(routing, has_bias, has_valid):
+    """Exact ties (bf16 values, coarse grids, all-equal rows) and NaN / +-inf logits: every backend returns
+    bitwise the reference's ids (one tie rule, lower id first) and finite weights close to its weights."""
+    gen = torch.Generator().manual_seed(routing.experts)
+    logits = tie_and_nonfinite_rows(gen, routing.experts)
+    bias = torch.randint(-1, 2, (routing.experts,), generator=gen).float() / 4 if has_bias else None
+    valid = torch.rand(logits.shape[0], generator=gen) < 0.8 if has_valid else None
+    inputs = on_device(dict(logits=logits, bias=bias, valid=valid, **routing.kwargs()))
+    expected_w, expected_ids = MOE_ROUTE.entry(**inputs, backend="reference")
+    assert torch.isfinite(expected_w).all()
+    for backend in KERNELS:
+        weights, ids = run_and_check(MOE_ROUTE, inputs, backend)
+        differ = torch.nonzero((ids != expected_ids).any(dim=1)).flatten().tolist()
+        assert not differ, f"{backend}: ids differ from the reference's in rows {differ}"
+        assert torch.isfinite(weights).all()
+        torch.testing.assert_close(weights, expected_w, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score", ("sqrtsoftplus", "sigmoid"))
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_some_nan_logits_weigh_zero(backend, score):
+    """Issue 10's thorough-profile failure: E = 7, top_k = 5, four NaN logits in a row gave NaN weights in
+    the reference and ~1e20 next to NaN in TileLang. Now (vLLM's clamp): NaN scores count 0, so the three
+    finite experts come first (descending score), then the lowest NaN experts; weights renormalize over the
+    finite three, and the NaN experts weigh 0."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 7, generator=gen)
+    for row in range(6):
+        logits[row, torch.randperm(7, generator=gen)[:4]] = float("nan")
+    weights, ids = flashkern.ops.moe_route(logits.to(DEVICE), top_k=5, score=score, backend=backend)
+    weights, ids = weights.cpu(), ids.cpu()
+    s = torch.sigmoid(logits) if score == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
+    for row in range(6):
+        finite = torch.nonzero(~logits[row].isnan()).flatten()
+        finite = finite[s[row, finite].argsort(descending=True, stable=True)]
+        nan_ids = torch.nonzero(logits[row].isnan()).flatten()[:2]
+        assert ids[row].tolist() == finite.tolist() + nan_ids.tolist()
+        expected = torch.cat([s[row, finite] / s[row, finite].sum(), torch.zeros(2)])
+        torch.testing.assert_close(weights[row], expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score", ref.SCORES)
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_nonfinite_rows_route_by_the_bias(backend, score):
+    """Rows entirely NaN, +inf or -inf, or mixing NaN and -inf (vLLM's clamp tests): every score is 0, or 1
+    for sigmoid of +inf, so the ids are the top_k of the bias (ties to the lower id) and the weights 0, or
+    1/k renormalized."""
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randint(-1, 2, (40,), generator=gen).float() / 4  # many exact ties
+    logits = torch.tensor([float("nan"), float("inf"), float("-inf")])[:, None].repeat(1, 40)
+    logits = torch.cat([logits, NONFINITE[0::2][torch.randint(0, 2, (3, 40), generator=gen)]])  # NaN / -inf mixes
+    weights, ids = flashkern.ops.moe_route(logits.to(DEVICE), bias.to(DEVICE), top_k=6, score=score,
+                                           scaling_factor=1.5, backend=backend)
+    weights, ids = weights.cpu(), ids.cpu()
+    assert (ids == bias.argsort(descending=True, stable=True)[:6].int()).all()
+    sigmoid_of_inf = torch.zeros(6, 1)
+    sigmoid_of_inf[1] = 1.0 if score == "sigmoid" else 0.0  # the all +inf row
+    assert torch.equal(weights, (sigmoid_of_inf * 1.5 / 6).expand(6, 6))
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_group_score_max_and_top2(backend):
+    """Group 0 holds one strong expert, group 1 two good ones: the max picks group 0, the top-2 sum group 1.
+    "auto" is "max" without a bias and "top2" with one (vLLM's grouped_topk)."""
+    logits = torch.tensor([[5.0, -5.0, -5.0, -5.0, 3.0, 3.0, -5.0, -5.0]]).to(DEVICE)
+    zero_bias = torch.zeros(8, device=DEVICE)
+    group_0, group_1 = [0, 1], [4, 5]  # (sigmoid: group 0 scores 0.993 / 1.000, group 1 0.953 / 1.905)
+    for group_score, bias, expected in (("max", None, group_0), ("top2", None, group_1), ("auto", None, group_0),
+                                        ("auto", zero_bias, group_1), ("max", zero_bias, group_0)):
+        _, ids = flashkern.ops.moe_route(logits, bias, top_k=2, score="sigmoid", n_group=2, topk_group=1,
+                                         group_score=group_score, backend=backend)
+        assert ids.cpu().tolist() == [expected], (group_score, bias)
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
@@ -204,7 +333,8 @@ def _check(inputs, weights, ids):
 
 
 @pytest.mark.parametrize("corruption", ["swap_in_unselected", "duplicate_id", "weight_off", "padding_row",
-                                        "wrong_group", "out_of_range", "unnormalized", "one_group_short"])
+                                        "wrong_group", "out_of_range", "unnormalized", "one_group_short",
+                                        "swapped_order", "nonfinite_weight", "group_by_max"])
 def test_oracle_rejects_wrong_routing(corruption):
     inputs, (weights, ids) = _reference_case()
     _check(inputs, weights, ids)  # the reference itself passes
@@ -222,7 +352,7 @@ def test_oracle_rejects_wrong_routing(corruption):
     elif corruption == "padding_row":
         weights[int(torch.nonzero(~inputs["valid"])[0]), 0] = 0.5
     elif corruption == "wrong_group":  # an expert from the worst group
-        worst_group = ref.group_scores(b, 8)[row].argmin()
+        worst_group = ref.group_scores(b, 8, "top2")[row].argmin()
         ids[row, -1] = int(worst_group) * 32
     elif corruption == "out_of_range":
         ids[row, 0] = 256
@@ -230,7 +360,27 @@ def test_oracle_rejects_wrong_routing(corruption):
         weights[row] *= 1.01
     elif corruption == "one_group_short":  # route every row among only topk_group - 1 = 3 groups
         weights, ids = ref.moe_route(**{**inputs, "topk_group": 3})
+    elif corruption == "swapped_order":  # the row's first two entries exchanged (ids and weights)
+        ids[row, :2], weights[row, :2] = ids[row, [1, 0]], weights[row, [1, 0]]
+    elif corruption == "nonfinite_weight":
+        weights[row, 0] = float("inf")
+    elif corruption == "group_by_max":  # groups chosen by their max key though a bias asks for the top-2 sum
+        weights, ids = ref.moe_route(**{**inputs, "group_score": "max"})
     with pytest.raises(AssertionError):
+        _check(inputs, weights, ids)
+
+
+@pytest.mark.parametrize("corruption", ["tie_to_higher_id", "tied_out_of_order"])
+def test_oracle_rejects_wrong_tie_order(corruption):
+    """All-equal logits: only ids 0..k-1 in ascending order are right (any k distinct ids are within key_tol)."""
+    inputs = dict(logits=torch.zeros(3, 16), bias=None, valid=None, **Routing(16, 4, "sigmoid").kwargs())
+    weights, ids = ref.moe_route(**inputs)
+    _check(inputs, weights, ids)
+    if corruption == "tie_to_higher_id":
+        ids[1, 3] = 9
+    else:
+        ids[1, :2] = ids[1, [1, 0]]
+    with pytest.raises(AssertionError, match="tie"):
         _check(inputs, weights, ids)
 
 
@@ -260,6 +410,7 @@ BAD_ROUTE_ARGS = [
     (dict(n_group=64, topk_group=1), ValueError, "n_group=64 leaves one expert per group"),
     (dict(topk_group=9), ValueError, "topk_group=9"),
     (dict(score="relu"), ValueError, "score must be one of"),
+    (dict(group_score="sum"), ValueError, "group_score must be one of"),
     (dict(scaling_factor=float("nan")), ValueError, "scaling_factor must be a finite number"),
     (dict(renormalize=1), TypeError, "renormalize must be a bool"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),

@@ -31,13 +31,14 @@ def _check_routing(inputs: dict, experts: int) -> Routing:
     if experts % n_group:
         raise ValueError(f"n_group={n_group} does not divide the {experts} experts")
     if n_group > 1 and experts // n_group < 2:
-        raise ValueError(f"n_group={n_group} leaves one expert per group; a group's score needs two")
+        raise ValueError(f"n_group={n_group} leaves one expert per group; groups need at least two (as in vLLM)")
     topk_group = checks.integer("topk_group", inputs["topk_group"], low=1, high=n_group,
                                 why=lambda: f"n_group={n_group}")
     eligible = topk_group * (experts // n_group)
     top_k = checks.integer("top_k", inputs["top_k"], low=1, high=eligible, why=lambda: (
         f"{experts} experts" if n_group == 1 else f"{eligible} experts in {topk_group} of {n_group} groups"))
     return Routing(experts=experts, top_k=top_k, score=inputs["score"], n_group=n_group, topk_group=topk_group,
+                   group_score=checks.choice("group_score", inputs["group_score"], ref.GROUP_SCORES),
                    renormalize=checks.flag("renormalize", inputs["renormalize"]),
                    scaling_factor=checks.real("scaling_factor", inputs["scaling_factor"]))
 
@@ -118,15 +119,19 @@ def make_route_gate_inputs(problem: RouteProblem, device="cpu", seed: int = 0) -
 
 
 def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tensor, ids: torch.Tensor,
-                         key_tol: float, atol: float, rtol: float) -> None:
-    """Property oracle for one routing result (SPECS.md section 1).
+                         key_tol: float, atol: float, rtol: float, exact_ties: bool = True) -> None:
+    """Property oracle for one routing result (reference/moe_route.py).
 
     Invalid rows: ids -1 and weights 0, exactly. Valid rows: ids distinct and in range; every
     chosen expert lies in a group that may be among the topk_group best (group scores within
     key_tol of the worst kept group count as tied); the chosen keys are >= every other key in
     the groups the selection must have kept: those beating the best droppable group, and those
-    it used (ties within key_tol pass); weights equal the reference formula applied to the
-    chosen ids (atol/rtol).
+    it used (ties within key_tol pass); the row is in descending key (within key_tol); weights are
+    finite and equal the reference formula applied to the chosen ids (atol/rtol).
+    With exact_ties (when `logits` are the kernel's own inputs), experts with identical inputs
+    (logit and bias; their keys are equal on every backend) follow the tie rule exactly: an
+    unchosen one in a used group never has a lower id than a chosen one, and chosen ones appear
+    in ascending id.
     """
     tokens, experts = logits.shape
     k, n_group, topk_group = inputs["top_k"], inputs["n_group"], inputs["topk_group"]
@@ -145,14 +150,18 @@ def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tens
     chosen = torch.zeros(rows, experts, dtype=torch.bool).scatter_(1, ids, True)
     repeated = chosen.sum(dim=1) != k
     assert not repeated.any(), f"repeated ids in rows {torch.nonzero(repeated).flatten().tolist()[:8]}: {ids[repeated][:4]}"
+    nonfinite = ~torch.isfinite(weights[valid]).all(dim=1)
+    assert not nonfinite.any(), f"non-finite weights in rows {torch.nonzero(nonfinite).flatten().tolist()[:8]}"
 
     s = ref.scores(logits, inputs["score"])
     bias = None if inputs["bias"] is None else inputs["bias"].cpu()
     b = ref.selection_keys(s, bias).double()
     near = lambda lo, hi: (lo >= hi) | (lo >= hi - key_tol * (1 + hi.abs()))  # noqa: E731  lo >= hi up to key_tol
     must_keep = torch.ones(rows, experts, dtype=torch.bool)
+    used = torch.ones(rows, 1, dtype=torch.bool)
     if n_group > 1:
-        gscore = ref.group_scores(b, n_group)
+        form = ref.group_form(inputs["group_score"], bias is not None)
+        gscore = ref.group_scores(b, n_group, form)
         ranked = gscore.sort(dim=1, descending=True).values
         worst_kept = ranked[:, topk_group - 1 : topk_group]
         best_dropped = ranked[:, topk_group : topk_group + 1] if topk_group < n_group else torch.full_like(worst_kept, -torch.inf)
@@ -165,18 +174,41 @@ def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tens
         too_many = kept.sum(dim=1) > topk_group
         assert not too_many.any(), f"rows {torch.nonzero(too_many).flatten().tolist()[:8]} use more than topk_group groups"
         must_keep = kept.repeat_interleave(experts // n_group, dim=1)
+        used = used.repeat_interleave(experts // n_group, dim=1)
     lowest_chosen = torch.where(chosen, b, torch.inf).amin(dim=1)
     best_other = torch.where(must_keep & ~chosen, b, -torch.inf).amax(dim=1)
     beaten = ~near(lowest_chosen, best_other)
     assert not beaten.any(), (
         f"rows {torch.nonzero(beaten).flatten().tolist()[:8]}: a chosen key is below an unchosen one "
         f"(chosen min {lowest_chosen[beaten][:4].tolist()}, other max {best_other[beaten][:4].tolist()})")
+    chosen_keys = b.gather(1, ids)
+    unordered = ~near(chosen_keys[:, :-1], chosen_keys[:, 1:]).all(dim=1)
+    assert not unordered.any(), (
+        f"rows {torch.nonzero(unordered).flatten().tolist()[:8]} are not in descending key: "
+        f"{chosen_keys[unordered][:2]}")
+
+    if exact_ties:  # identical inputs: keys equal on every backend, so the lower id must win exactly
+        # NaN, -inf and (but for sigmoid, where it scores 1) +inf logits all score 0 on every backend
+        zero = torch.isnan(logits) | torch.isneginf(logits) | (torch.isposinf(logits) & (inputs["score"] != "sigmoid"))
+        x = torch.where(zero, -torch.inf, logits)
+        same = x.gather(1, ids)[:, :, None] == x[:, None, :]  # [rows, k, experts]: chosen vs every expert
+        if bias is not None:
+            same &= bias[ids][:, :, None] == bias[None, None, :]
+        lower = torch.arange(experts)[None, None, :] < ids[:, :, None]
+        passed_over = (same & lower & (used & ~chosen)[:, None, :]).any(dim=(1, 2))
+        assert not passed_over.any(), (
+            f"rows {torch.nonzero(passed_over).flatten().tolist()[:8]}: a tie went to a higher id")
+        tied_pairs = same.gather(2, ids[:, None, :].expand(-1, k, -1))  # [rows, k, k]: chosen p vs chosen q
+        later = torch.arange(k)[:, None] < torch.arange(k)[None, :]
+        out_of_order = (tied_pairs & later & (ids[:, :, None] > ids[:, None, :])).any(dim=(1, 2))
+        assert not out_of_order.any(), (
+            f"rows {torch.nonzero(out_of_order).flatten().tolist()[:8]}: tied experts not in ascending id")
 
     expected = s.gather(1, ids)
     if inputs["renormalize"]:
-        expected = expected / expected.sum(dim=1, keepdim=True).clamp(min=1e-20)
+        expected = ref.renormalized(expected)
     expected = expected * inputs["scaling_factor"]
-    torch.testing.assert_close(weights[valid], expected, atol=atol, rtol=rtol, equal_nan=True)
+    torch.testing.assert_close(weights[valid], expected, atol=atol, rtol=rtol)
 
 
 def compare_route(inputs: dict, expected, actual) -> None:
@@ -187,7 +219,7 @@ def compare_route_gate(inputs: dict, expected, actual) -> None:
     # logits from a D-long fp32 dot product: summation order moves them by ~1e-6 relative
     logits = ref.gate_logits(inputs["hidden"].cpu(), inputs["gate_weight"].cpu(),
                              None if inputs["norm_weight"] is None else inputs["norm_weight"].cpu(), inputs["norm_eps"])
-    check_routing_result(logits, inputs, *actual, key_tol=1e-4, atol=1e-4, rtol=1e-4)
+    check_routing_result(logits, inputs, *actual, key_tol=1e-4, atol=1e-4, rtol=1e-4, exact_ties=False)
 
 
 # ---------------------------------------------------------------- cost
@@ -231,43 +263,47 @@ GATE_PRESETS = _presets(5120, 7168, True, model_tokens=(1, 16, 128, 1024, 4096),
 # ---------------------------------------------------------------- entry points and records
 
 
-def moe_route(logits, bias=None, *, top_k, score="sqrtsoftplus", n_group=1, topk_group=1, renormalize=True,
-              scaling_factor=1.0, valid=None, backend="auto", config=None):
-    """Fused MoE routing from router logits, in one kernel launch.
+def moe_route(logits, bias=None, *, top_k, score="sqrtsoftplus", n_group=1, topk_group=1, group_score="auto",
+              renormalize=True, scaling_factor=1.0, valid=None, backend="auto", config=None):
+    """Fused MoE routing from router logits, in one kernel launch, with vLLM's routing rules.
 
-    s = score(logits); b = s + bias; [groups: keep the topk_group groups with the largest
-    top-2 sums of b]; ids = top_k of b; w = s[ids] (unbiased), renormalized to sum 1 if asked,
-    times scaling_factor. Rows with valid == False give ids -1 and weights 0.
+    s = score(logits), non-finite scores set to 0; b = s + bias; [groups: keep the topk_group groups
+    with the best group scores]; ids = top_k of b in descending b, ties to the lower id; w = s[ids]
+    (unbiased), divided by its sum when that is positive if renormalize, times scaling_factor.
+    Rows with valid == False give ids -1 and weights 0. Weights are always finite; every backend
+    breaks ties the same way. The full contract is in flashkern.reference.moe_route.
 
     Args:
-        logits: [T, E] fp32 router logits.
+        logits: [T, E] fp32 router logits (rows may be strided).
         bias: [E] fp32 correction bias (selection only), or None.
         top_k, score ("sqrtsoftplus" | "sigmoid" | "softmax"), n_group, topk_group, renormalize,
         scaling_factor: the routing rule (V4.1-Flash: 6, "sqrtsoftplus", 1, 1, True, 1.5).
+        group_score: "auto" (vLLM's rule: "top2" with a bias, "max" without) | "max" (a group's largest
+            key) | "top2" (the sum of its two largest keys).
         valid: [T] bool row mask, or None.
         backend: "reference" | "triton" | "tilelang" | "auto"; config: explicit tuning config.
     Returns:
-        (weights [T, top_k] fp32, ids [T, top_k] int32); the order within a row is unspecified.
+        (weights [T, top_k] fp32, ids [T, top_k] int32), each row in descending key.
     """
     inputs = dict(logits=logits, bias=bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
-                  renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
+                  group_score=group_score, renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
     return call(MOE_ROUTE, inputs, backend, config)
 
 
 def moe_route_gate(hidden, gate_weight, bias=None, *, norm_weight=None, norm_eps=1e-6, top_k, score="sqrtsoftplus",
-                   n_group=1, topk_group=1, renormalize=True, scaling_factor=1.0, valid=None, backend="auto",
-                   config=None):
+                   n_group=1, topk_group=1, group_score="auto", renormalize=True, scaling_factor=1.0, valid=None,
+                   backend="auto", config=None):
     """Fused gate and MoE routing: logits = RMSNorm(hidden) @ gate_weight^T in fp32, then moe_route.
 
     Args:
-        hidden: [T, D] bf16 hidden states; gate_weight: [E, D] bf16.
+        hidden: [T, D] bf16 hidden states (rows may be strided); gate_weight: [E, D] bf16.
         norm_weight: [D] bf16 RMSNorm weight, or None for no norm; norm_eps: its epsilon.
             The normalized hidden state is rounded to bf16 before the product (as an unfused norm would).
         The other arguments and the result are those of moe_route.
     """
     inputs = dict(hidden=hidden, gate_weight=gate_weight, bias=bias, norm_weight=norm_weight, norm_eps=norm_eps,
-                  top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
-                  scaling_factor=scaling_factor, valid=valid)
+                  top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, group_score=group_score,
+                  renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
     return call(MOE_ROUTE_GATE, inputs, backend, config)
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashkern.reference.moe_route import group_form
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -17,6 +19,7 @@ class Routing:
     score: str = "sqrtsoftplus"
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "auto"  # "auto" | "max" | "top2" (reference/moe_route.py)
     renormalize: bool = True
     scaling_factor: float = 1.0
 
@@ -39,11 +42,16 @@ class RouteProblem:
     norm_eps: float = 1e-6
 
     @property
+    def group_form(self) -> str:
+        """The group score the kernels compute: "max" or "top2" (group_score="auto" resolved by the bias)."""
+        return group_form(self.routing.group_score, self.has_bias)
+
+    @property
     def key(self) -> str:
         r = self.routing
         parts = [f"T={self.tokens}", f"E={r.experts}", f"k={r.top_k}", r.score]
         if r.n_group > 1:
-            parts.append(f"groups={r.topk_group}/{r.n_group}")
+            parts.append(f"groups={r.topk_group}/{r.n_group} by {self.group_form}")
         if self.hidden:
             parts.append(f"D={self.hidden}" + (" rmsnorm" if self.has_norm else ""))
         parts += [name for name, on in (("bias", self.has_bias), ("valid", self.has_valid)) if on]

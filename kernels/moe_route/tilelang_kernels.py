@@ -3,11 +3,11 @@
 Tile plan: rows are routed ROWS at a time on a slot tile x[ROWS, NP] (slot g * WP + j holds
 expert g * EG + j; WP, GP are EG, G padded to powers of two, NP = GP * WP; padding slots are
 masked). Every step is a parallel map or a row reduction:
-  1. s = score(x), b = s + bias (NaN keys -> lowest finite, padding -> -inf)
-  2. groups (G > 1): on a [ROWS, GP, WP] copy of b, gscore = top-2 sum per group;
+  1. s = score(x), non-finite s -> 0; b = s + bias (NaN keys -> lowest finite, padding -> -inf)
+  2. groups (G > 1): on a [ROWS, GP, WP] copy of b, gscore = max (or top-2 sum) per group;
      TOPK_GROUP rounds of (max, lowest group) choose the groups; b = -inf elsewhere
   3. K rounds: m = row max of b; a = lowest slot where b == m; gather s at a; b[a] = -inf
-  4. renormalize, scale; invalid rows -> (id -1, weight 0)
+  4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 Argmax is (max, then min of the slots at the max): ties go to the lowest expert id.
 moe_route: a block routes block_t rows of fp32 logits.
 moe_route_gate: a block computes a [block_t, E] logits tile with T.gemm over D in block_d
@@ -34,7 +34,8 @@ def _route_macro(problem, rows: int, fl: Flavour):
     layout = slot_layout(r)
     GP, WP, NP = layout.groups, layout.group_width, layout.slots
     KP = 1 << (K - 1).bit_length()  # the chosen-expert tile is padded to a power of two as well
-    NEG_INF = -T.infinity("float32")
+    POS_INF = T.infinity("float32")
+    NEG_INF = -POS_INF
 
     def real(n):  # slot n holds an expert
         return ((n // WP) < G) & ((n % WP) < EG)
@@ -80,7 +81,8 @@ def _route_macro(problem, rows: int, fl: Flavour):
             T.reduce_sum(scratch, per_row, dim=1)
             for i, n in fl.parallel(rows, NP):
                 s[i, n] = scratch[i, n] / per_row[i]
-        for i, n in fl.parallel(rows, NP):
+        for i, n in fl.parallel(rows, NP):  # NaN and +-inf scores -> 0 (vLLM), then the keys
+            s[i, n] = T.if_then_else((s[i, n] < POS_INF) & (s[i, n] > NEG_INF), s[i, n], 0.0)
             if problem.has_bias:
                 b[i, n] = s[i, n] + Bias[T.min(expert(n), r.experts - 1)]
             else:
@@ -92,26 +94,33 @@ def _route_macro(problem, rows: int, fl: Flavour):
         # 2. group limiting
         if G > 1:
             b3 = fl.fragment((rows, GP, WP), "float32")
-            scratch3 = fl.fragment((rows, GP, WP), "float32")
             top1 = fl.fragment((rows, GP), "float32")
-            top2 = fl.fragment((rows, GP), "float32")
+            top2 = fl.fragment((rows, GP), "float32")  # the second largest b, then argmax scratch
             keep = fl.fragment((rows, GP), "float32")
+            # the group argmax has its own per-row buffers: sharing the top-k rounds' would tie their layouts
+            # on the GPU to this [rows, GP] tile and replicate the [rows, NP] tiles in every thread
+            group_best = fl.fragment((rows,), "float32")
+            group_picked = fl.fragment((rows,), "float32")
             for i, g, j in fl.parallel(rows, GP, WP):
                 b3[i, g, j] = b[i, g * WP + j]
-            T.reduce_max(b3, top1, dim=2)
-            for i, g, j in fl.parallel(rows, GP, WP):
-                scratch3[i, g, j] = T.if_then_else(b3[i, g, j] == top1[i, g], T.Cast("float32", j), NO_SLOT)
-            T.reduce_min(scratch3, top2, dim=2)  # in-group position of the first maximum
-            for i, g, j in fl.parallel(rows, GP, WP):
-                scratch3[i, g, j] = T.if_then_else(T.Cast("float32", j) == top2[i, g], NEG_INF, b3[i, g, j])
-            T.reduce_max(scratch3, top2, dim=2)  # second largest
+            T.reduce_max(b3, top1, dim=2)  # group score "max"
+            if problem.group_form == "top2":
+                scratch3 = fl.fragment((rows, GP, WP), "float32")
+                for i, g, j in fl.parallel(rows, GP, WP):
+                    scratch3[i, g, j] = T.if_then_else(b3[i, g, j] == top1[i, g], T.Cast("float32", j), NO_SLOT)
+                T.reduce_min(scratch3, top2, dim=2)  # in-group position of the first maximum
+                for i, g, j in fl.parallel(rows, GP, WP):
+                    scratch3[i, g, j] = T.if_then_else(T.Cast("float32", j) == top2[i, g], NEG_INF, b3[i, g, j])
+                T.reduce_max(scratch3, top2, dim=2)  # second largest
+                for i, g in fl.parallel(rows, GP):
+                    top1[i, g] = T.max(top1[i, g] + top2[i, g], LOWEST)  # group score "top2"
             for i, g in fl.parallel(rows, GP):
-                top1[i, g] = T.if_then_else(g < G, T.max(top1[i, g] + top2[i, g], LOWEST), NEG_INF)  # group score
+                top1[i, g] = T.if_then_else(g < G, top1[i, g], NEG_INF)
                 keep[i, g] = 0.0
             for _ in T.unroll(TOPK_GROUP):
-                argmax(top1, top2, GP, per_row, picked)
+                argmax(top1, top2, GP, group_best, group_picked)
                 for i, g in fl.parallel(rows, GP):
-                    if T.Cast("float32", g) == picked[i]:
+                    if T.Cast("float32", g) == group_picked[i]:
                         keep[i, g] = 1.0
                         top1[i, g] = NEG_INF
             for i, g, j in fl.parallel(rows, GP, WP):
@@ -135,7 +144,7 @@ def _route_macro(problem, rows: int, fl: Flavour):
                 if T.Cast("float32", n) == picked[i]:
                     b[i, n] = NEG_INF
 
-        # 4. renormalize, scale, store; invalid rows get (-1, 0)
+        # 4. renormalize (a zero sum divides by 1), scale, store; invalid rows get (-1, 0)
         T.reduce_sum(w_sel, per_row, dim=1)
         for i, k in fl.parallel(rows, KP):
             if (row0 + i < n_rows) & (k < K):
@@ -144,7 +153,8 @@ def _route_macro(problem, rows: int, fl: Flavour):
                     Ids[row0 + i, k] = -1
                 else:
                     if r.renormalize:
-                        Weights[row0 + i, k] = w_sel[i, k] / T.max(per_row[i], 1e-20) * r.scaling_factor
+                        Weights[row0 + i, k] = (w_sel[i, k] / T.if_then_else(per_row[i] > 0.0, per_row[i], 1.0)
+                                                * r.scaling_factor)
                     else:
                         Weights[row0 + i, k] = w_sel[i, k] * r.scaling_factor
                     Ids[row0 + i, k] = expert(T.Cast("int32", slot_sel[i, k]))

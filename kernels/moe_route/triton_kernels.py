@@ -2,10 +2,11 @@
 
 Tile plan: a program owns BLOCK_T token rows and the whole expert axis, laid out as slots
 [BLOCK_T, G_PAD, EG_PAD]; slot (g, j) holds expert g * EG + j, padding slots hold -inf keys.
-  1. s = score(logits), b = s + bias (NaN keys -> lowest finite)
-  2. groups: score = top-2 sum of b per group; keep the topk_group best, mask the rest to -inf
+  1. s = score(logits), non-finite s -> 0; b = s + bias (NaN keys -> lowest finite)
+  2. groups: score = max or top-2 sum of b per group; keep the topk_group best (ties: lowest
+     group), mask the rest to -inf
   3. top_k rounds: row max, lowest expert id at the max, gather s there, knock the slot out
-  4. renormalize, scale; invalid rows -> (id -1, weight 0)
+  4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 The fused-gate kernel first forms the logits tile with tl.dot over D in BLOCK_D steps
 (RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does).
 """
@@ -35,7 +36,7 @@ def _log1p(u):
 @triton.jit
 def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
                 EG: tl.constexpr, G: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr):
+                TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Route a [BLOCK_T, G_PAD, EG_PAD] logits tile and store its weights and ids."""
     expert = slot_g * EG + slot_j
     # 1. scores and selection keys
@@ -47,18 +48,21 @@ def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_
         row_max = tl.max(tl.max(tl.where(slot_ok, x, float("-inf")), axis=2), axis=1)
         e = tl.where(slot_ok, tl.exp(x - row_max[:, None, None]), 0.0)
         s = e / tl.sum(tl.sum(e, axis=2), axis=1)[:, None, None]
+    s = tl.where((s < float("inf")) & (s > float("-inf")), s, 0.0)  # NaN and +-inf scores -> 0 (vLLM)
     b = s
     if bias_ptr is not None:
         b = s + tl.load(bias_ptr + expert, mask=slot_ok, other=0.0)
     b = tl.where(b == b, tl.maximum(b, LOWEST), LOWEST)
     b = tl.where(slot_ok, b, float("-inf"))
-    # 2. group limiting: keep the TOPK_GROUP groups with the largest top-2 sums
+    # 2. group limiting: keep the TOPK_GROUP groups with the largest max (or top-2 sum) of b
     if G > 1:
-        top1 = tl.max(b, axis=2)
-        at1 = tl.argmax(b, axis=2, tie_break_left=True)
-        top2 = tl.max(tl.where(slot_j == at1[:, :, None], float("-inf"), b), axis=2)
+        gscore = tl.max(b, axis=2)
+        if GROUP_TOP2:
+            at1 = tl.argmax(b, axis=2, tie_break_left=True)
+            top2 = tl.max(tl.where(slot_j == at1[:, :, None], float("-inf"), b), axis=2)
+            gscore = tl.maximum(gscore + top2, LOWEST)
         group = tl.arange(0, x.shape[1])[None, :]
-        gscore = tl.where(group < G, tl.maximum(top1 + top2, LOWEST), float("-inf"))
+        gscore = tl.where(group < G, gscore, float("-inf"))
         keep = group < 0
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.argmax(gscore, axis=1, tie_break_left=True)
@@ -84,9 +88,10 @@ def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_
         weights = tl.where(col == r, chosen_s[:, None], weights)
         ids = tl.where(col == r, chosen_e[:, None], ids)
         b = tl.where(hit, float("-inf"), b)
-    # 4. renormalize, scale, mask invalid rows, store
+    # 4. renormalize (a zero sum divides by 1), scale, mask invalid rows, store
     if RENORMALIZE:
-        weights = weights / tl.maximum(tl.sum(weights, axis=1), 1e-20)[:, None]
+        total = tl.sum(weights, axis=1)
+        weights = weights / tl.where(total > 0.0, total, 1.0)[:, None]
     weights = weights * scale
     if valid_ptr is not None:
         keep_row = tl.load(valid_ptr + row, mask=row_ok, other=0) != 0
@@ -109,8 +114,8 @@ def _slots(BLOCK_T: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.c
 @triton.jit
 def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, scale,
                      G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
-                     K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr,
-                     RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+                     K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                     SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
     slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
@@ -118,15 +123,15 @@ def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T
     x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + slot_g * EG + slot_j,
                 mask=(r3 < T) & slot_ok, other=0.0)
     _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                EG, G, K, K_PAD, TOPK_GROUP, SCORE, RENORMALIZE)
+                EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 @triton.jit
 def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                           T, D, scale,
                           G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
-                          K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr,
-                          RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                          K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                          SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                           UPCAST_DOT: tl.constexpr):
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
@@ -157,7 +162,7 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
     slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
     x = tl.reshape(acc, (BLOCK_T, G_PAD, EG_PAD))
     _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                EG, G, K, K_PAD, TOPK_GROUP, SCORE, RENORMALIZE)
+                EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 def _routing_constexprs(problem) -> dict:
@@ -165,6 +170,7 @@ def _routing_constexprs(problem) -> dict:
     layout = slot_layout(r)
     return dict(G=r.n_group, G_PAD=layout.groups, EG=r.experts // r.n_group, EG_PAD=layout.group_width,
                 K=r.top_k, K_PAD=triton.next_power_of_2(r.top_k), TOPK_GROUP=r.topk_group,
+                GROUP_TOP2=problem.group_form == "top2",
                 SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
 
 
