@@ -47,8 +47,9 @@ def context_row(keys: int, rows: int, backends, budget: float, device) -> list[d
     heads, dim = inputs["q"].shape[1:]
     dense_logits = logits_op.reference(**inputs)
     blocks = registry.get("candidate_blocks").reference(dense_logits, ke, N_BLOCKS, BLOCK)
-    sparse_inputs = {**inputs, "blocks": blocks, "top_k": TOP_K, "block": BLOCK}
-    topk_inputs = dict(logits=dense_logits, ends=ke, k=TOP_K, starts=None)
+    scoring = {name: value for name, value in inputs.items() if name != "logits_dtype"}
+    sparse_inputs = {**scoring, "blocks": blocks, "top_k": TOP_K, "block": BLOCK}
+    topk_inputs = dict(logits=dense_logits, ends=ke, k=TOP_K, starts=None, sorted=False)
     candidate_inputs = dict(logits=dense_logits, row_end=ke, n_blocks=N_BLOCKS, block=BLOCK)
 
     dense_pairs = int((inputs["ke"] - inputs["ks"]).sum())

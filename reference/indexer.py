@@ -5,23 +5,43 @@ Scoring, for query rows m with H heads and keys n (dimension D), on dequantized 
     logits[m, n] = sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n]    for ks[m] <= n < ke[m]
                  = -inf                                                  elsewhere
 
+The logit is computed in fp32; `logits_dtype=torch.bfloat16` (mqa_logits, paged_mqa_logits) stores
+it rounded to the nearest bf16 (ties to even; -inf stays -inf), as DeepGEMM's bf16 logits.
+
 Storage forms (the format is told by q's dtype):
 - FP8: q [M, H, D] and k [N, D] e4m3; k_scale [N] fp32 per key; q's per-token scale is folded
   into w by the caller.
 - MXFP4: q [M, H, D/2] and k [N, D/2] uint8, two e2m1 codes per byte (even element in the low
-  nibble), with ue8m0 block scales q_scale [M, H, D/32] and k_scale [N, D/32] (uint8 exponent
-  bytes e, scale 2^(e - 127)): an indexer key of D = 128 is 64 B + 4 B = 68 B.
+  nibble; code = sign << 3 | index into 0, 0.5, 1, 1.5, 2, 3, 4, 6), with ue8m0 block scales per
+  32 values q_scale [M, H, D/32] and k_scale [N, D/32] (uint8 exponent bytes e, scale 2^(e - 127);
+  e = 0 is 2^-127, e = 0xFF is NaN as in OCP MX): an indexer key of D = 128 is 64 B + 4 B = 68 B.
+  Scales may also come as DeepGEMM packs them (pack_ue8m0_to_int): int32 [..., ceil(D/128)]
+  whose little-endian bytes are the ue8m0 bytes (byte j = block j), read as a zero-copy uint8
+  view (`ue8m0_bytes`).
+- The FP4 encoder (`quantize_mxfp4`) rounds to the e2m1 grid with a chosen tie rule: "even"
+  (round to nearest, ties to the even code: what hardware converters do) or "down" (a value on a
+  midpoint takes the lower magnitude: 0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3, as DeepGEMM's torch
+  encoder); both saturate at 6. Decoding is the same for both.
 
-Decode (`paged_mqa_logits`): sequence b has next_n query tokens; token j sits at position
-context_lens[b] - next_n + j and sees positions [0, context_lens[b] - next_n + j + 1) of its
-sequence, whose keys live in a paged cache: position p is slot p % block_size of cache block
-block_table[b, p // block_size]. Output rows are b * next_n + j, columns the positions
-0 .. max_blocks * block_size - 1.
+Decode (`paged_mqa_logits`): sequence b has next_n query tokens (1 to 8); output rows are
+b * next_n + j, columns the positions 0 .. max_blocks * block_size - 1 of the sequence, whose keys
+live in a paged cache: position p is slot p % block_size of cache block block_table[b, p // block_size].
+Row b * next_n + j sees positions [0, end), -inf elsewhere, with context_lens either
+- 1-D [B]: end = context_lens[b] - next_n + j + 1 (token j sits at position context_lens[b] - next_n + j), or
+- 2-D [B, next_n]: end = context_lens[b, j] (DeepGEMM's per-token lengths).
+The cache is either two tensors, data [blocks, block_size, D or D/2] and scales [blocks, block_size]
+fp32 / [blocks, block_size, D/32] ue8m0, or DeepGEMM's fused pages (k_scale None): uint8
+[blocks, block_size, 1, D + 4] (FP8) or [blocks, block_size, 1, D/2 + 4] (MXFP4) where each page
+holds all block_size data rows first, then one 4-byte scale word per token (FP8: the fp32 scale of
+token t at page byte block_size * D + 4t; MXFP4: the ue8m0 bytes of token t at block_size * D/2 + 4t),
+read as zero-copy views (`fused_cache_views`); the page stride may exceed the page's bytes.
 
 Selection, with the choices the spec leaves open fixed here (every implementation follows them):
 - `topk_indices`: per row the k largest among positions [start, end); NaN ranks below every
   number (-inf included); ties go to the lower position; the result lists the chosen
-  positions in ascending order, then -1 padding (valid prefix length min(end - start, k)).
+  positions in ascending order (or, with sorted=True, in rank order: largest value first,
+  equal values by position), then -1 padding (valid prefix length min(end - start, k)).
+  Logits may be fp32 or bf16 (ranked by their exact fp32 values).
 - `candidate_blocks`: block score = max of the block's positions below row_end (NaN counts as
   -inf, -0.0 as +0.0); the block holding row_end - 1 scores +inf; the top n_blocks blocks (ties to the lower
   block id) in ascending id order, blocks scoring -inf (or NaN) replaced by -1 at the end.
@@ -40,6 +60,8 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of e2m1 codes
 E4M3_MAX = 448.0
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
 UE8M0_BIAS = 127
+UE8M0_NAN = 0xFF  # the ue8m0 byte that encodes NaN (OCP MX)
+FP4_ROUNDING = ("even", "down")
 
 
 # ---------------------------------------------------------------- storage formats
@@ -52,31 +74,57 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -value, value)
 
 
+def ue8m0_bytes(scale: torch.Tensor, blocks: int) -> torch.Tensor:
+    """ue8m0 scales [..., blocks] uint8 from uint8 bytes (as they are) or from DeepGEMM's packed int32 words
+    [..., ceil(blocks / 4)] (little-endian: byte j of the row = block j): a zero-copy view."""
+    if scale.dtype != torch.int32:
+        return scale
+    if scale.shape[-1] == 1 and scale.stride(-1) != 1:  # a one-word row's stride is arbitrary: make it unit
+        scale = scale.as_strided(scale.shape, (*scale.stride()[:-1], 1))
+    return scale.view(torch.uint8)[..., :blocks]
+
+
+def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 value 2^(e - 127) of each ue8m0 byte e (0 is 2^-127; 0xFF is NaN)."""
+    value = torch.exp2(scale.float() - UE8M0_BIAS)
+    return torch.where(scale == UE8M0_NAN, torch.nan, value)
+
+
 def unpack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Dequantize MXFP4: packed [..., D/2] uint8 (even element low nibble), scale [..., D/32] ue8m0 -> fp32 [..., D]."""
+    """Dequantize MXFP4: packed [..., D/2] uint8 (even element low nibble), scale [..., D/32] ue8m0 bytes (or
+    packed int32 words, see ue8m0_bytes) -> fp32 [..., D]."""
+    scale = ue8m0_bytes(scale, packed.shape[-1] * 2 // MX_BLOCK)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    block_scale = torch.exp2(scale.float() - UE8M0_BIAS).repeat_interleave(MX_BLOCK, dim=-1)
-    return e2m1_decode(codes) * block_scale
+    return e2m1_decode(codes) * ue8m0_decode(scale).repeat_interleave(MX_BLOCK, dim=-1)
 
 
-def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(x: torch.Tensor, rounding: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [..., D] -> (packed e2m1 [..., D/2] uint8, ue8m0 scales [..., D/32] uint8).
 
-    Per block of 32: scale = 2^ceil(log2(amax / 6)) (so |x| / scale <= 6); codes round x / scale
-    to the nearest e2m1 value, ties to the even code.
+    Per block of 32: scale = 2^ceil(log2(r)) for the fp32 r = amax / 6, taken from r's bits (exponent, plus one if
+    the mantissa is nonzero; at least 2^-126, at most 2^127; byte 0 for an all-zero block), so |x| / scale <= 6;
+    codes round x / scale to the nearest e2m1 value, saturating at 6. A value exactly between two grid values goes to
+    the even code with rounding="even" (round to nearest even, as hardware converters) or to the lower magnitude
+    with rounding="down" (DeepGEMM's torch encoder: 0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3). A negative value that
+    rounds to 0 (and -0) keeps its sign (code 8, -0) with "even", as hardware converters; "down" never gives -0.
     """
+    if rounding not in FP4_ROUNDING:
+        raise ValueError(f"rounding must be one of {FP4_ROUNDING}, got {rounding!r}")
     blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(0.0, neginf=-UE8M0_BIAS).clamp(-UE8M0_BIAS, UE8M0_BIAS)
-    magnitude = (blocks.abs() / torch.exp2(exponent)).clamp(max=6.0)
+    bits = (amax / 6.0).contiguous().view(torch.int32)
+    scale_byte = (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()).clamp(max=254)  # DeepGEMM's ceil_to_ue8m0
+    magnitude = (blocks.abs() / ue8m0_decode(scale_byte)).clamp(max=6.0)
     grid = torch.tensor(E2M1_GRID, device=x.device)
     midpoints = (grid[1:] + grid[:-1]) / 2
     code = torch.searchsorted(midpoints, magnitude.contiguous())  # a midpoint itself goes to the lower code
-    tie = (code < len(midpoints)) & (magnitude == midpoints[code.clamp(max=len(midpoints) - 1)])
-    code = code + (tie & (code % 2 == 1)).long()  # ... unless that code is odd: ties to even
-    code = (code | torch.where(blocks < 0, 8, 0)).to(torch.uint8).flatten(-2)
+    if rounding == "even":
+        tie = (code < len(midpoints)) & (magnitude == midpoints[code.clamp(max=len(midpoints) - 1)])
+        code = code + (tie & (code % 2 == 1)).long()  # ... unless that code is odd
+    negative = torch.signbit(blocks) if rounding == "even" else (blocks < 0) & (code > 0)
+    code = (code | torch.where(negative, 8, 0)).to(torch.uint8).flatten(-2)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
-    return packed, (exponent.squeeze(-1) + UE8M0_BIAS).to(torch.uint8)
+    return packed, scale_byte.squeeze(-1).to(torch.uint8)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +145,37 @@ def dequantize_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.T
     return q.float() if q.dtype == torch.float8_e4m3fn else unpack_mxfp4(q, q_scale)
 
 
+def fused_cache_views(k_cache: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, scales) zero-copy views of DeepGEMM's fused paged cache (module docstring).
+
+    k_cache: uint8 [blocks, block_size, 1, D + 4] (FP8) or [blocks, block_size, 1, D/2 + 4] (MXFP4, D <= 128) with
+    unit last stride, tokens packed (stride(1) = bytes per token), page stride and storage offset multiples of 4.
+    Returns data [blocks, block_size, D] e4m3 / [blocks, block_size, D/2] uint8 and scales [blocks, block_size] fp32
+    / [blocks, block_size, D/32] ue8m0 bytes, with the page stride as their leading stride.
+    """
+    if k_cache.dtype != torch.uint8 or k_cache.dim() != 4 or k_cache.shape[2] != 1 or k_cache.shape[3] <= 4:
+        raise ValueError("k_cache with k_scale=None must be a fused uint8 cache [blocks, block_size, 1, bytes per "
+                         f"token], got {str(k_cache.dtype).replace('torch.', '')} {list(k_cache.shape)}")
+    blocks, block_size, _, token_bytes = k_cache.shape
+    stored = token_bytes - 4  # D e4m3 bytes or D/2 packed e2m1 bytes, then a 4-byte scale word
+    page_stride, token_stride, _, byte_stride = k_cache.stride()
+    if byte_stride != 1 or (block_size > 1 and token_stride != token_bytes):
+        raise ValueError(f"k_cache must be packed within a page (strides [*, {token_bytes}, *, 1], got "
+                         f"{list(k_cache.stride())}); pass k_cache.contiguous()")
+    if page_stride % 4 or k_cache.storage_offset() % 4:
+        raise ValueError(f"k_cache: the page stride ({page_stride}) and storage offset ({k_cache.storage_offset()}) "
+                         "must be multiples of 4 (the scale words are 4-byte aligned); pass k_cache.contiguous()")
+    if fp4 and stored > 2 * MX_BLOCK:
+        raise ValueError(f"k_cache: a fused MXFP4 token holds 4 scale bytes, so D <= 128, got D = {2 * stored}")
+    data_bytes = block_size * stored
+    data = torch.as_strided(k_cache, (blocks, block_size, stored), (page_stride, stored, 1))
+    words = torch.as_strided(k_cache, (blocks, block_size, 4), (page_stride, 4, 1),
+                             k_cache.storage_offset() + data_bytes)
+    if fp4:
+        return data, words[..., : 2 * stored // MX_BLOCK]
+    return data.view(torch.float8_e4m3fn), words.view(torch.float32)[..., 0]
+
+
 # ---------------------------------------------------------------- scoring
 
 
@@ -106,23 +185,30 @@ def score_keys(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Te
     return (dots.relu() * w[:, :, None]).sum(dim=1)
 
 
-def mqa_logits(q, k, k_scale, w, ks, ke, q_scale=None) -> torch.Tensor:
-    """Dense ragged indexer logits [M, N] fp32 (see the module docstring)."""
+def mqa_logits(q, k, k_scale, w, ks, ke, q_scale=None, logits_dtype=torch.float32) -> torch.Tensor:
+    """Dense ragged indexer logits [M, N] fp32 or bf16 (see the module docstring)."""
     logits = score_keys(dequantize_queries(q, q_scale), w.float(), dequantize_keys(k, k_scale))
     n = torch.arange(k.shape[0], device=k.device)
     inside = (n >= ks[:, None]) & (n < ke[:, None])
-    return logits.masked_fill(~inside, -torch.inf)
+    return logits.masked_fill(~inside, -torch.inf).to(logits_dtype)
 
 
-def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, q_scale=None) -> torch.Tensor:
-    """Decode indexer logits [B * next_n, max_blocks * block_size] fp32 over a paged key cache."""
+def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, q_scale=None,
+                     logits_dtype=torch.float32) -> torch.Tensor:
+    """Decode indexer logits [B * next_n, max_blocks * block_size] fp32 or bf16 over a paged key cache (separate
+    data and scales, or fused pages with k_scale None); context_lens [B] or [B, next_n]."""
+    if k_scale is None:
+        k_cache, k_scale = fused_cache_views(k_cache, fp4=q.dtype != torch.float8_e4m3fn)
     batch, next_n = q.shape[:2]
     block_size = k_cache.shape[1]
     width = block_table.shape[1] * block_size
     positions = torch.arange(width, device=q.device)
     logits = torch.full((batch * next_n, width), -torch.inf, device=q.device)
     for b in range(batch):
-        ends = context_lens[b] - next_n + 1 + torch.arange(next_n, device=q.device)  # per query token
+        if context_lens.dim() == 2:
+            ends = context_lens[b]
+        else:
+            ends = context_lens[b] - next_n + 1 + torch.arange(next_n, device=q.device)  # per query token
         seen = int(ends.max().clamp(min=0))
         blocks = block_table[b, : -(-seen // block_size)].long()
         keys = dequantize_keys(k_cache[blocks], k_scale[blocks]).flatten(0, 1)[:seen]
@@ -130,7 +216,7 @@ def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, q_scale=
         queries = dequantize_queries(q[b], None if q_scale is None else q_scale[b])
         scores = score_keys(queries, w[rows].float(), keys)
         logits[rows, :seen] = scores.masked_fill(positions[:seen] >= ends[:, None], -torch.inf)
-    return logits
+    return logits.to(logits_dtype)
 
 
 # ---------------------------------------------------------------- selection
@@ -150,26 +236,32 @@ def _rank_keys(values: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     return torch.where(eligible, key, -1)
 
 
-def select_topk(values: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
-    """Per row, the ascending positions of the k largest eligible values (rule above), then -1 padding: int32 [M, k]."""
+def select_topk(values: torch.Tensor, eligible: torch.Tensor, k: int, *, by_score: bool = False) -> torch.Tensor:
+    """Per row, the positions of the k largest eligible values (rule above), then -1 padding: int32 [M, k].
+
+    The positions come in ascending order, or with by_score in rank order (the largest value first; equal
+    values by position)."""
     rows, n = values.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=values.device)
     if n == 0 or k == 0:
         return out
     take = min(k, n)
-    keys, positions = _rank_keys(values, eligible).topk(take, dim=1)
-    positions = torch.where(keys >= 0, positions, n).sort(dim=1).values  # ineligible sort last
+    keys, positions = _rank_keys(values, eligible).topk(take, dim=1)  # keys are distinct: rank order
+    positions = torch.where(keys >= 0, positions, n)  # ineligible last
+    if not by_score:
+        positions = positions.sort(dim=1).values
     out[:, :take] = torch.where(positions < n, positions, -1).int()
     return out
 
 
-def topk_indices(logits, ends, k, starts=None) -> torch.Tensor:
-    """Top-k positions per row of logits [M, N] among [starts, ends) (starts default 0): int32 [M, k]."""
+def topk_indices(logits, ends, k, starts=None, sorted=False) -> torch.Tensor:
+    """Top-k positions per row of logits [M, N] (fp32 or bf16) among [starts, ends) (starts default 0): int32 [M, k],
+    ascending, or in rank order when sorted."""
     n = torch.arange(logits.shape[1], device=logits.device)
     eligible = n < ends[:, None]
     if starts is not None:
         eligible &= n >= starts[:, None]
-    return select_topk(logits, eligible, k)
+    return select_topk(logits, eligible, k, by_score=sorted)
 
 
 def block_scores(logits: torch.Tensor, row_end: torch.Tensor, block: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ oracle (kernels.indexer.check_topk_result) and, since every implementation follo
 tie rule, for exact equality too.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, note
@@ -72,14 +74,15 @@ def logits_cases(draw):
     gen = _seed(draw)
     inputs = _quantized(indexer, (rows,), (keys,), gen, draw(st.sampled_from([1.0, 1e-3, 300.0])))
     inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
-    note(f"{indexer} rows={rows} keys={keys}")
+    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
+    note(f"{indexer} rows={rows} keys={keys} {inputs['logits_dtype']}")
     return on_device(inputs)
 
 
 @st.composite
 def paged_cases(draw):
     indexer = draw(INDEXERS)
-    batch, next_n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2]))
+    batch, next_n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 6]))
     block_size, max_blocks = draw(st.sampled_from([16, 64])), draw(st.integers(1, 6))
     gen = _seed(draw)
     cache_blocks = batch * max_blocks + draw(st.integers(0, 3))
@@ -91,12 +94,18 @@ def paged_cases(draw):
     table = torch.randperm(cache_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).int()
     used = torch.arange(max_blocks) * block_size < lens[:, None].long()
     inputs["block_table"] = torch.where(used, table, -7)  # entries past the context are garbage, never read
+    if draw(st.booleans()):  # per token [B, next_n]: up to the sequence's length, in any order; one full row
+        lens = (torch.rand(batch, next_n, generator=gen) * (lens[:, None] + 1)).int().clamp(max=lens[:, None])
+        lens[0, -1] = max_blocks * block_size
     inputs["context_lens"] = lens
-    note(f"{indexer} batch={batch} next_n={next_n} block_size={block_size} max_blocks={max_blocks} lens={lens.tolist()}")
+    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
+    note(f"{indexer} batch={batch} next_n={next_n} block_size={block_size} max_blocks={max_blocks} lens={lens.tolist()} "
+         f"{inputs['logits_dtype']}")
     return on_device(inputs)
 
 
 VALUE_MODES = ("normal", "ties", "extreme", "nan")
+LOGITS_DTYPES = st.sampled_from([torch.float32, torch.float32, torch.bfloat16])  # paged logits may be bf16
 
 
 def selection_values(gen, rows: int, positions: int, mode: str) -> torch.Tensor:
@@ -124,8 +133,10 @@ def topk_cases(draw, max_positions: int = 3000):
     ends = torch.randint(0, positions + 1, (rows,), generator=gen).int()
     ends[0] = positions
     starts = (torch.rand(rows, generator=gen) * (ends + 1)).int().clamp(max=ends) if draw(st.booleans()) else None
-    note(f"rows={rows} positions={positions} k={k} mode={mode} starts={starts is not None}")
-    return on_device(dict(logits=selection_values(gen, rows, positions, mode), ends=ends, k=k, starts=starts))
+    by_score, dtype = draw(st.booleans()), draw(LOGITS_DTYPES)
+    note(f"rows={rows} positions={positions} k={k} mode={mode} starts={starts is not None} sorted={by_score} {dtype}")
+    return on_device(dict(logits=selection_values(gen, rows, positions, mode).to(dtype), ends=ends, k=k, starts=starts,
+                          sorted=by_score))
 
 
 @st.composite
@@ -133,13 +144,13 @@ def candidate_cases(draw):
     rows = draw(st.integers(1, 16))
     positions = draw(st.one_of(st.integers(1, 40), st.integers(41, 4000)))
     n_blocks, block = draw(st.sampled_from([1, 5, 64, 2048])), draw(st.sampled_from([8, 4]))
-    mode = draw(st.sampled_from(VALUE_MODES))
+    mode, dtype = draw(st.sampled_from(VALUE_MODES)), draw(LOGITS_DTYPES)
     gen = _seed(draw)
     row_end = torch.randint(0, positions + 1, (rows,), generator=gen).int()
     row_end[0] = positions
-    note(f"rows={rows} positions={positions} n_blocks={n_blocks} block={block} mode={mode}")
-    return on_device(dict(logits=selection_values(gen, rows, positions, mode), row_end=row_end, n_blocks=n_blocks,
-                          block=block))
+    note(f"rows={rows} positions={positions} n_blocks={n_blocks} block={block} mode={mode} {dtype}")
+    return on_device(dict(logits=selection_values(gen, rows, positions, mode).to(dtype), row_end=row_end,
+                          n_blocks=n_blocks, block=block))
 
 
 def candidate_lists(gen, ke: torch.Tensor, n_blocks: int, block: int, keys: int) -> torch.Tensor:
@@ -270,6 +281,152 @@ def test_quantized_scores_track_bf16_scores(backend, fmt, limit):
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@pytest.mark.parametrize("name, problem", [("mqa_logits", LogitsProblem(5, 300)),
+                                           ("paged_mqa_logits", PagedProblem(3, 3, 1, 64, Indexer(32, 128, "mxfp4")))])
+def test_bf16_logits_are_the_fp32_logits_rounded_to_nearest_even(name, problem, backend):
+    """logits_dtype=bf16 stores the fp32 logit rounded to nearest even (torch's cast), -inf kept: bit for bit."""
+    op = OPS[name]
+    inputs = op.make_inputs(problem, DEVICE, seed=3)
+    fp32 = op.entry(**inputs, backend=backend).cpu()
+    bf16 = op.entry(**{**inputs, "logits_dtype": torch.bfloat16}, backend=backend).cpu()
+    assert bf16.dtype == torch.bfloat16 and (fp32 == -torch.inf).any()
+    assert torch.equal(bf16.view(torch.int16), fp32.bfloat16().view(torch.int16))
+
+
+# ---------------------------------------------------------------- storage formats: FP4 ties, ue8m0, packed forms
+
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _ulp_neighbours(x: float) -> list[float]:
+    """x and the fp32 values one ulp below and above it."""
+    bits = torch.tensor([x], dtype=torch.float32).view(torch.int32)
+    return torch.cat((bits - 1, bits, bits + 1)).view(torch.float32).tolist()
+
+
+def _tie_table() -> list[float]:
+    """Every e2m1 midpoint and its fp32 neighbours, and the grid values; both signs (and -0)."""
+    magnitudes = [v for m in E2M1_MIDPOINTS for v in _ulp_neighbours(m)] + list(ref.E2M1_GRID)
+    return magnitudes + [-v for v in magnitudes]
+
+
+def _round_to_nearest_even_code(x: float) -> int:
+    """Hardware rounding onto e2m1 (IEEE round to nearest, ties to the even code, saturating at 6): the nearest grid
+    value, the even index on a tie; the sign bit copied, -0 included."""
+    grid = ref.E2M1_GRID
+    index = min(range(8), key=lambda i: (abs(abs(x) - grid[i]), i % 2))
+    return index | (8 if math.copysign(1.0, x) < 0 else 0)
+
+
+def _ties_down_code(x: float) -> int:
+    """DeepGEMM's _quantize_to_fp4_e2m1: the number of midpoints strictly below |x|; the sign only on a nonzero code."""
+    index = sum(abs(x) > boundary for boundary in E2M1_MIDPOINTS)
+    return index | (8 if x < 0 and index else 0)
+
+
+@pytest.mark.parametrize("rounding, peer", [("even", _round_to_nearest_even_code), ("down", _ties_down_code)])
+def test_fp4_tie_rule_matches_its_peer_on_every_midpoint(rounding, peer):
+    """quantize_mxfp4's two tie rules, on every midpoint, +-1 ulp around each and the grid, both signs; each value in
+    its own block of 32 whose maximum is 6 (so the scale is 1, byte 127)."""
+    values = _tie_table()
+    x = torch.zeros(len(values), ref.MX_BLOCK)
+    x[:, 0], x[:, 1] = torch.tensor(values), 6.0
+    packed, scale = ref.quantize_mxfp4(x, rounding=rounding)
+    assert (scale == ref.UE8M0_BIAS).all()
+    codes = (packed[:, 0] & 0xF).tolist()
+    expected = [peer(v) for v in values]
+    wrong = [(v, got, want) for v, got, want in zip(values, codes, expected) if got != want]
+    assert not wrong, f"(value, code, peer's code): {wrong}"
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_ue8m0_byte_ff_is_nan_and_byte_0_is_2_to_the_minus_127(backend):
+    """OCP MX: a 0xFF scale byte is NaN (here a key's and a query head's: NaN logits where visible, -inf elsewhere);
+    byte 0 is 2^-127 (q scale 2^100 x k scale 2^-127: a finite, exact logit)."""
+    decoded = ref.ue8m0_decode(torch.tensor([0, 127, 254, 255], dtype=torch.uint8))
+    assert decoded[:3].tolist() == [2.0**-127, 1.0, 2.0**127] and decoded[3].isnan()
+    gen = torch.Generator().manual_seed(11)
+    inputs = _quantized(Indexer(4, 64, "mxfp4"), (3,), (40,), gen, 1.0)
+    inputs["ks"], inputs["ke"] = torch.zeros(3, dtype=torch.int32), torch.tensor([40, 20, 40], dtype=torch.int32)
+    inputs["k_scale"][5, 1] = 0xFF  # key 5: NaN for every row that sees it
+    inputs["q_scale"][1, 2, 0] = 0xFF  # row 1 (head 2): NaN on its visible keys [0, 20)
+    inputs["q_scale"][2], inputs["k_scale"][8] = 227, 0
+    expected = ref.mqa_logits(**inputs)
+    actual = flashkern.ops.mqa_logits(**on_device(inputs), backend=backend).cpu()
+    assert expected[:, 5].isnan().all() and expected[1, :20].isnan().all() and (expected[1, 20:] == -torch.inf).all()
+    assert torch.equal(actual.isnan(), expected.isnan())
+    check_logits_result(expected, actual)
+    assert expected[2, 8] != 0
+    torch.testing.assert_close(actual[2, 8], expected[2, 8], rtol=1e-5, atol=0)
+
+
+def _packed_words(scale: torch.Tensor, padded: bool) -> torch.Tensor:
+    """DeepGEMM's pack_ue8m0_to_int: the ue8m0 bytes [..., D/32] four per int32 (byte j = block j, little-endian;
+    the last word padded with 0x7F), optionally as a row-padded view of a garbage-filled buffer."""
+    width = -(-scale.shape[-1] // 4)
+    pad = torch.full((*scale.shape[:-1], 4 * width - scale.shape[-1]), 0x7F, dtype=torch.uint8)
+    words = torch.cat((scale.cpu(), pad), dim=-1).view(torch.int32).to(scale.device)
+    if padded:
+        buffer = torch.full((*words.shape[:-1], width + 3), -1, dtype=torch.int32, device=scale.device)
+        buffer[..., :width] = words
+        words = buffer[..., :width]
+    return words
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@pytest.mark.parametrize("name, problem", [("mqa_logits", LogitsProblem(3, 200, Indexer(32, 128, "mxfp4"))),
+                                           ("paged_mqa_logits", PagedProblem(3, 3, 1, 64, Indexer(32, 128, "mxfp4"))),
+                                           ("mqa_logits", LogitsProblem(4, 100, Indexer(4, 64, "mxfp4")))])
+def test_packed_int32_scales_read_as_their_bytes(name, problem, backend):
+    """q_scale / k_scale as DeepGEMM's int32 words (contiguous, and row-padded views) give the uint8 form's logits."""
+    op = OPS[name]
+    inputs = op.make_inputs(problem, DEVICE, seed=4)
+    expected = op.entry(**inputs, backend=backend).cpu()
+    for padded in (False, True):
+        words = {arg: _packed_words(inputs[arg], padded) for arg in ("q_scale", "k_scale")}
+        actual = op.entry(**{**inputs, **words}, backend=backend).cpu()
+        assert torch.equal(actual.view(torch.int32), expected.view(torch.int32)), f"padded={padded}"
+
+
+def _fused_pages(k_cache: torch.Tensor, k_scale: torch.Tensor, padding: int) -> torch.Tensor:
+    """DeepGEMM's fused page layout from our two tensors: per page the data rows, then a 4-byte scale word per token
+    (fp32, or the ue8m0 bytes padded with 0x7F); pages `padding` bytes apart beyond their size."""
+    blocks, block_size, stored = k_cache.shape
+    data = k_cache.cpu().contiguous().view(torch.uint8).reshape(blocks, -1)
+    if k_scale.dtype == torch.float32:
+        words = k_scale.cpu().contiguous().view(torch.uint8).reshape(blocks, -1)
+    else:
+        pad = torch.full((blocks, block_size, 4 - k_scale.shape[-1]), 0x7F, dtype=torch.uint8)
+        words = torch.cat((k_scale.cpu(), pad), dim=-1).reshape(blocks, -1)
+    page = torch.cat((data, words), dim=1)
+    buffer = torch.full((blocks, page.shape[1] + padding), 0xFF, dtype=torch.uint8, device=k_cache.device)
+    buffer[:, : page.shape[1]] = page.to(k_cache.device)
+    return buffer[:, : page.shape[1]].view(blocks, block_size, 1, stored + 4)
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
+@pytest.mark.parametrize("problem", [PagedProblem(2, 5, 2, 64), PagedProblem(3, 3, 1, 64, Indexer(32, 128, "mxfp4"))],
+                         ids=["fp8", "mxfp4"])
+def test_fused_paged_cache_gives_the_separate_caches_logits(problem, backend):
+    """k_cache in DeepGEMM's fused pages with k_scale=None (page stride padded) is read as zero-copy views: the same
+    logits as the two-tensor form, bit for bit."""
+    op = OPS["paged_mqa_logits"]
+    inputs = op.make_inputs(problem, DEVICE, seed=6)
+    expected = op.entry(**inputs, backend=backend).cpu()
+    fused = _fused_pages(inputs["k_cache"], inputs["k_scale"], padding=12)
+    data, scale = ref.fused_cache_views(fused, fp4=problem.indexer.fmt == "mxfp4")
+    assert data.data_ptr() == fused.data_ptr() and torch.equal(data.cpu().view(torch.uint8),
+                                                               inputs["k_cache"].cpu().view(torch.uint8))
+    actual = op.entry(**{**inputs, "k_cache": fused, "k_scale": None}, backend=backend).cpu()
+    assert torch.equal(actual.view(torch.int32), expected.view(torch.int32))
+
+
+def sparse_scoring(logits_inputs: dict) -> dict:
+    """mqa_logits inputs as sparse_mqa_logits takes them (it returns positions, not logits: no logits_dtype)."""
+    return {name: value for name, value in logits_inputs.items() if name != "logits_dtype"}
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
 def test_two_level_selection_equals_dense_when_every_block_is_a_candidate(backend):
     """With every block a candidate (context <= n_blocks * block), the sparse top-k is the dense top-k."""
     problem = LogitsProblem(6, 900)
@@ -277,7 +434,8 @@ def test_two_level_selection_equals_dense_when_every_block_is_a_candidate(backen
     dense = flashkern.ops.mqa_logits(**inputs, backend=backend)
     blocks = flashkern.ops.candidate_blocks(dense, inputs["ke"], n_blocks=128, block=8, backend=backend)
     assert ((blocks >= 0).sum(dim=1).cpu() == (inputs["ke"].cpu() + 7) // 8).all()
-    sparse = flashkern.ops.sparse_mqa_logits(**inputs, blocks=blocks, top_k=64, block=8, backend=backend)
+    sparse = flashkern.ops.sparse_mqa_logits(**sparse_scoring(inputs), blocks=blocks, top_k=64, block=8,
+                                             backend=backend)
     eligible = torch.arange(900, device=DEVICE) < inputs["ke"][:, None]
     check_topk_result(dense, eligible, 64, sparse, tol=1e-5)  # slot = position here; two kernels round differently
 
@@ -356,6 +514,13 @@ BAD_LOGITS_ARGS = [
      ValueError, r"ke\[1\] = 4 is out of range: must be in \[5, 40\]"),
     (dict(q_scale=torch.zeros(3, 32, 4, dtype=torch.uint8)), ValueError, "q_scale is for MXFP4"),
     (dict(q=torch.zeros(3, 32, 64, dtype=torch.uint8), k=torch.zeros(40, 64, dtype=torch.uint8),
+          k_scale=torch.zeros(40, 1, dtype=torch.int32), q_scale=torch.zeros(3, 32, 2, dtype=torch.int32)), ValueError,
+     r"q_scale must have shape \[3, 32, 1\]"),
+    (dict(q=torch.zeros(3, 32, 64, dtype=torch.uint8), k=torch.zeros(40, 64, dtype=torch.uint8),
+          k_scale=torch.zeros(40, 4), q_scale=torch.zeros(3, 32, 4, dtype=torch.uint8)), TypeError,
+     "k_scale must be uint8 or int32"),
+    (dict(logits_dtype=torch.float64), ValueError, "logits_dtype must be one of"),
+    (dict(q=torch.zeros(3, 32, 64, dtype=torch.uint8), k=torch.zeros(40, 64, dtype=torch.uint8),
           k_scale=torch.zeros(40, 4, dtype=torch.uint8)), ValueError, "q_scale is required for MXFP4"),
     (dict(backend="triton", config={"nonsense": 1}), ValueError, "config: unknown keys"),
 ]
@@ -379,8 +544,17 @@ def _good_paged_args():
 
 
 BAD_PAGED_ARGS = [
-    (dict(q=torch.zeros(2, 3, 32, 128, dtype=torch.float8_e4m3fn), w=torch.ones(6, 32)), ValueError,
-     "1 or 2 query tokens"),
+    (dict(q=torch.zeros(2, 9, 32, 128, dtype=torch.float8_e4m3fn), w=torch.ones(18, 32)), ValueError,
+     "1 to 8 query tokens"),
+    (dict(context_lens=torch.zeros(2, 3, dtype=torch.int32)), ValueError, r"context_lens must have shape \[2, 2\]"),
+    (dict(context_lens=torch.tensor([[48, 2], [0, 49]], dtype=torch.int32)), ValueError, r"context_lens\[1, 1\] = 49"),
+    (dict(logits_dtype=torch.float16), ValueError, "logits_dtype must be one of"),
+    (dict(k_cache=torch.zeros(9, 16, 1, 100, dtype=torch.uint8), k_scale=None), ValueError,
+     r"k_cache must have shape \[\*, \*, 1, 132\]"),
+    (dict(k_cache=torch.zeros(9, 16 * 132 + 2, dtype=torch.uint8)[:, : 16 * 132].view(9, 16, 1, 132), k_scale=None),
+     ValueError, r"k_cache: the page stride \(2114\)"),
+    (dict(k_cache=torch.zeros(9, 16, 1, 140, dtype=torch.uint8)[..., :132], k_scale=None), ValueError,
+     "k_cache must be packed within a page"),
     (dict(context_lens=torch.tensor([48, 49], dtype=torch.int32)), ValueError, r"context_lens\[1\] = 49"),
     (dict(block_table=torch.tensor([[0, 1, 2], [3, 99, 5]], dtype=torch.int32)), ValueError, r"block_table\[1, 1\] = 99"),
     (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int64)), TypeError, "block_table must be int32"),
@@ -402,6 +576,8 @@ BAD_SELECTION_ARGS = [
     ("topk_indices", dict(starts=torch.tensor([0, 3, 0], dtype=torch.int32)), ValueError, r"starts\[1\] = 3"),
     ("topk_indices", dict(k=0), ValueError, "k=0"),
     ("topk_indices", dict(k=4.0), TypeError, "k must be an int"),
+    ("topk_indices", dict(sorted=1), TypeError, "sorted must be a bool"),
+    ("topk_indices", dict(logits=torch.zeros(3, 10).half()), TypeError, "logits must be float32 or bfloat16"),
     ("candidate_blocks", dict(row_end=torch.tensor([1, 2], dtype=torch.int32)), ValueError, r"row_end must have shape \[3\]"),
     ("candidate_blocks", dict(block=0), ValueError, "block=0"),
     ("candidate_blocks", dict(n_blocks=-1), ValueError, "n_blocks=-1"),
@@ -434,8 +610,8 @@ BAD_SPARSE_ARGS = [
 @pytest.mark.parametrize("changes, error, message", BAD_SPARSE_ARGS, ids=[m for _, _, m in BAD_SPARSE_ARGS])
 def test_bad_sparse_arguments_are_named_before_launch(monkeypatch, changes, error, message):
     _reject_launches(monkeypatch)
-    args = {**_good_logits_args(), "blocks": torch.tensor([[0, 4], [1, -1], [2, 3]], dtype=torch.int32), "top_k": 8,
-            "block": 8}
+    blocks = torch.tensor([[0, 4], [1, -1], [2, 3]], dtype=torch.int32)
+    args = {**sparse_scoring(_good_logits_args()), "blocks": blocks, "top_k": 8, "block": 8}
     with pytest.raises(error, match=message):
         flashkern.ops.sparse_mqa_logits(**on_device({**args, **changes}))
 

@@ -1,13 +1,15 @@
 """Sparse MQA scoring (the indexer) and top-k selection (SPECS.md section 2): operator records.
 
-  mqa_logits         dense ragged scoring: q [M, H, D], keys [N, D] -> logits [M, N] fp32
-  paged_mqa_logits   decode scoring over a paged key cache -> logits [B * next_n, max_blocks * block_size]
+  mqa_logits         dense ragged scoring: q [M, H, D], keys [N, D] -> logits [M, N] fp32 or bf16
+  paged_mqa_logits   decode scoring over a paged key cache (two tensors, or DeepGEMM's fused pages), context
+                     lengths per sequence or per token, next_n 1 to 8 -> logits [B * next_n, max_blocks * block_size]
   topk_indices       top-k positions per row of a logits matrix -> int32 [M, k]
   candidate_blocks   V4.1 first level: the best n_blocks blocks of 8 positions -> int32 [M, n_blocks]
   sparse_mqa_logits  V4.1 second level: scoring inside candidate blocks, top_k absolute positions
 
 Storage forms: FP8 (e4m3 with a fp32 scale per key) and MXFP4 (packed e2m1 with ue8m0 scales per
-32 values). The math, formats and selection rule are in flashkern.reference.indexer.
+32 values, as bytes or DeepGEMM's packed int32 words). The math, formats and selection rule are in
+flashkern.reference.indexer; DeepGEMM's call signatures are in flashkern.compat.deep_gemm.
 """
 
 from __future__ import annotations
@@ -30,10 +32,24 @@ __all__ = ["CandidateProblem", "Indexer", "LogitsProblem", "PagedProblem", "Spar
 # ---------------------------------------------------------------- argument checks
 
 
+def _check_scale_bytes(inputs: dict, name: str, lead: tuple, blocks: int, device) -> None:
+    """A ue8m0 scale argument: uint8 [*lead, blocks], or DeepGEMM's packed int32 words [*lead, ceil(blocks / 4)],
+    which `inputs` then holds as their zero-copy uint8 view (ref.ue8m0_bytes)."""
+    value = inputs[name]
+    packed = isinstance(value, torch.Tensor) and value.dtype == torch.int32
+    width = -(-blocks // 4) if packed else blocks
+    scale = checks.tensor(name, value, dtype=(torch.uint8, torch.int32), shape=(*lead, width), device=device,
+                          strided=True)
+    inputs[name] = ref.ue8m0_bytes(scale, blocks)
+
+
 def _check_qk(inputs: dict, q_lead: tuple, k_lead: tuple, k_name: str = "k") -> tuple[Indexer, torch.device]:
-    """Storage format, heads and dim from q; k, k_scale and q_scale must agree. Leads: the leading sizes."""
+    """Storage format, heads and dim from q; k, k_scale and q_scale must agree. Leads: the leading sizes.
+
+    Zero-copy forms are replaced in `inputs` by the views the kernels take: packed int32 ue8m0 scales by their bytes,
+    a fused paged cache (k_cache with k_scale None) by its data and scale views (ref.fused_cache_views)."""
     q = inputs["q"]
-    checks.tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), shape=(*q_lead, None, None))
+    checks.tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), shape=(*q_lead, None, None), strided=True)
     device = q.device
     fmt = "fp8" if q.dtype == torch.float8_e4m3fn else "mxfp4"
     heads, stored = q.shape[-2:]
@@ -43,23 +59,30 @@ def _check_qk(inputs: dict, q_lead: tuple, k_lead: tuple, k_name: str = "k") -> 
         raise ValueError(f"q must have at least one head, got shape {list(q.shape)}")
     if dim < 32 or dim > 512 or dim & (dim - 1):
         raise ValueError(f"q: head dim {dim} is not supported (a power of two in [32, 512])")
+    if k_name == "k_cache" and inputs["k_scale"] is None:  # DeepGEMM's fused pages
+        cache = checks.tensor("k_cache", inputs["k_cache"], dtype=torch.uint8, shape=(None, None, 1, stored + 4),
+                              device=device, strided=True)
+        inputs["k_cache"], inputs["k_scale"] = ref.fused_cache_views(cache, fp4=fmt == "mxfp4")
     if fmt == "fp8":
-        k = checks.tensor(k_name, inputs[k_name], dtype=torch.float8_e4m3fn, shape=(*k_lead, dim), device=device)
-        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.float32, shape=k.shape[:-1], device=device)
+        k = checks.tensor(k_name, inputs[k_name], dtype=torch.float8_e4m3fn, shape=(*k_lead, dim), device=device,
+                          strided=True)
+        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.float32, shape=k.shape[:-1], device=device,
+                      strided=len(k_lead) > 1)  # per key: 1-D (contiguous) for a flat key table
         if inputs["q_scale"] is not None:
             raise ValueError("q_scale is for MXFP4 queries; fold an FP8 query scale into w")
     else:
         blocks = dim // ref.MX_BLOCK
-        k = checks.tensor(k_name, inputs[k_name], dtype=torch.uint8, shape=(*k_lead, stored), device=device)
-        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.uint8, shape=(*k.shape[:-1], blocks), device=device)
+        k = checks.tensor(k_name, inputs[k_name], dtype=torch.uint8, shape=(*k_lead, stored), device=device,
+                          strided=True)
+        _check_scale_bytes(inputs, "k_scale", k.shape[:-1], blocks, device)
         if inputs["q_scale"] is None:
             raise ValueError("q_scale is required for MXFP4 (uint8) queries: ue8m0 scales [..., H, D/32]")
-        checks.tensor("q_scale", inputs["q_scale"], dtype=torch.uint8, shape=(*q_lead, heads, blocks), device=device)
+        _check_scale_bytes(inputs, "q_scale", (*q_lead, heads), blocks, device)
     return Indexer(heads, dim, fmt), device
 
 
 def _check_ragged(inputs: dict, rows: int, keys: int, heads: int, device) -> None:
-    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(rows, heads), device=device)
+    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(rows, heads), device=device, strided=True)
     ks = checks.tensor("ks", inputs["ks"], dtype=torch.int32, shape=(rows,), device=device)
     ke = checks.tensor("ke", inputs["ke"], dtype=torch.int32, shape=(rows,), device=device)
     checks.values_in("ks", ks, 0, keys, why=f"key positions of {keys} keys")
@@ -70,34 +93,52 @@ def check_mqa_logits(inputs: dict) -> LogitsProblem:
     indexer, device = _check_qk(inputs, (None,), (None,))
     rows, keys = inputs["q"].shape[0], inputs["k"].shape[0]
     _check_ragged(inputs, rows, keys, indexer.heads, device)
-    return LogitsProblem(rows, keys, indexer)
+    bf16 = _check_logits_dtype(inputs) == torch.bfloat16
+    return LogitsProblem(rows, keys, indexer, bf16)
+
+
+def _check_logits_dtype(inputs: dict) -> torch.dtype:
+    return checks.choice("logits_dtype", inputs["logits_dtype"], LOGITS_DTYPES)
+
+
+MAX_NEXT_N = 8  # query tokens per sequence in decode (MTP)
 
 
 def check_paged(inputs: dict) -> PagedProblem:
     indexer, device = _check_qk(inputs, (None, None), (None, None), k_name="k_cache")
     batch, next_n = inputs["q"].shape[:2]
     cache_blocks, block_size = inputs["k_cache"].shape[:2]
-    if next_n not in (1, 2):
-        raise ValueError(f"q must hold 1 or 2 query tokens per sequence (next_n), got {next_n}")
+    if not 1 <= next_n <= MAX_NEXT_N:
+        raise ValueError(f"q must hold 1 to {MAX_NEXT_N} query tokens per sequence (next_n), got {next_n}")
     if block_size == 0:
         raise ValueError("k_cache must have a nonzero block size")
-    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(batch * next_n, indexer.heads), device=device)
-    table = checks.tensor("block_table", inputs["block_table"], dtype=torch.int32, shape=(batch, None), device=device)
-    lens = checks.tensor("context_lens", inputs["context_lens"], dtype=torch.int32, shape=(batch,), device=device)
+    checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(batch * next_n, indexer.heads), device=device,
+                  strided=True)
+    table = checks.tensor("block_table", inputs["block_table"], dtype=torch.int32, shape=(batch, None), device=device,
+                          strided=True)
+    lens = inputs["context_lens"]
+    lens_2d = isinstance(lens, torch.Tensor) and lens.dim() == 2  # per token [B, next_n], else per sequence [B]
+    checks.tensor("context_lens", lens, dtype=torch.int32, shape=(batch, next_n) if lens_2d else (batch,),
+                  device=device)
     width = table.shape[1] * block_size
     checks.values_in("context_lens", lens, 0, width, why=f"the block table addresses {width} positions")
-    used = torch.arange(table.shape[1], device=device) * block_size < lens[:, None]
+    seen = lens.amax(dim=1) if lens_2d else lens  # positions read per sequence
+    used = torch.arange(table.shape[1], device=device) * block_size < seen[:, None]
     checks.values_in("block_table", torch.where(used, table, 0), 0, cache_blocks - 1,
                      why=f"cache block ids of {cache_blocks} blocks, for blocks within context_lens")
-    return PagedProblem(batch, table.shape[1], next_n, block_size, indexer)
+    bf16 = _check_logits_dtype(inputs) == torch.bfloat16
+    return PagedProblem(batch, table.shape[1], next_n, block_size, indexer, lens_2d, bf16)
 
 
 def _check_k(k, *, name: str = "k") -> int:
     return checks.integer(name, k, low=1, high=1 << 16)
 
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def check_topk(inputs: dict) -> TopkProblem:
-    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    logits = checks.tensor("logits", inputs["logits"], dtype=LOGITS_DTYPES, shape=(None, None), strided=True)
     rows, positions = logits.shape
     k = _check_k(inputs["k"])
     ends = checks.tensor("ends", inputs["ends"], dtype=torch.int32, shape=(rows,), device=logits.device)
@@ -105,17 +146,18 @@ def check_topk(inputs: dict) -> TopkProblem:
     checks.values_in("ends", ends, 0, positions, why=f"logits has {positions} positions")
     if starts is not None:
         checks.values_in("starts", starts, 0, ends, why="0 <= starts <= ends")
-    return TopkProblem(rows, positions, k, starts is not None)
+    by_score = checks.flag("sorted", inputs["sorted"])
+    return TopkProblem(rows, positions, k, starts is not None, by_score, logits.dtype == torch.bfloat16)
 
 
 def check_candidates(inputs: dict) -> CandidateProblem:
-    logits = checks.tensor("logits", inputs["logits"], dtype=torch.float32, shape=(None, None))
+    logits = checks.tensor("logits", inputs["logits"], dtype=LOGITS_DTYPES, shape=(None, None), strided=True)
     rows, positions = logits.shape
     row_end = checks.tensor("row_end", inputs["row_end"], dtype=torch.int32, shape=(rows,), device=logits.device)
     checks.values_in("row_end", row_end, 0, positions, why=f"logits has {positions} positions")
     n_blocks = _check_k(inputs["n_blocks"], name="n_blocks")
     block = checks.integer("block", inputs["block"], low=1, high=256)
-    return CandidateProblem(rows, positions, n_blocks, block)
+    return CandidateProblem(rows, positions, n_blocks, block, logits.dtype == torch.bfloat16)
 
 
 def check_sparse(inputs: dict) -> SparseProblem:
@@ -124,7 +166,8 @@ def check_sparse(inputs: dict) -> SparseProblem:
     _check_ragged(inputs, rows, keys, indexer.heads, device)
     block = checks.integer("block", inputs["block"], low=1, high=256)
     top_k = _check_k(inputs["top_k"], name="top_k")
-    blocks = checks.tensor("blocks", inputs["blocks"], dtype=torch.int32, shape=(rows, None), device=device)
+    blocks = checks.tensor("blocks", inputs["blocks"], dtype=torch.int32, shape=(rows, None), device=device,
+                           strided=True)
     if blocks.shape[1] == 0:
         raise ValueError("blocks must list at least one candidate block per row")
     last = max(-(-keys // block) - 1, -1)
@@ -162,11 +205,13 @@ def make_logits_inputs(problem: LogitsProblem, device="cpu", seed: int = 0) -> d
     gen = torch.Generator().manual_seed(seed)
     qk, w = _queries_keys(problem.indexer, (problem.rows,), (problem.keys,), gen)
     ke = causal_ends(problem.rows, problem.keys)
-    return _to(dict(**qk, w=w, ks=torch.zeros_like(ke), ke=ke), device)
+    return _to(dict(**qk, w=w, ks=torch.zeros_like(ke), ke=ke, logits_dtype=_logits_dtype(problem.bf16_logits)),
+               device)
 
 
 def make_paged_inputs(problem: PagedProblem, device="cpu", seed: int = 0) -> dict:
-    """Full contexts but for a few short ones; each sequence's blocks scattered over a shared cache with spares."""
+    """Full contexts but for a few short ones; each sequence's blocks scattered over a shared cache with spares.
+    Per-token lengths (lens_2d) as DeepGEMM's tests draw them: random below the sequence's, the last token's equal."""
     gen = torch.Generator().manual_seed(seed)
     b, nb, bs = problem.batch, problem.max_blocks, problem.block_size
     cache_blocks = b * nb + 3
@@ -175,7 +220,12 @@ def make_paged_inputs(problem: PagedProblem, device="cpu", seed: int = 0) -> dic
     table = torch.randperm(cache_blocks, generator=gen)[: b * nb].view(b, nb).int()
     lens = torch.full((b,), problem.width, dtype=torch.int32)
     lens[1::3] = (problem.width * 2 // 3) + 1  # a ragged tail block
-    return _to(dict(**qk, w=w.flatten(0, 1), block_table=table, context_lens=lens.clamp(min=problem.next_n)), device)
+    lens = lens.clamp(min=problem.next_n)
+    if problem.lens_2d:
+        lens = torch.cat(((torch.rand(b, problem.next_n - 1, generator=gen) * (lens[:, None] + 1)).int(),
+                          lens[:, None]), dim=1)
+    return _to(dict(**qk, w=w.flatten(0, 1), block_table=table, context_lens=lens,
+                    logits_dtype=_logits_dtype(problem.bf16_logits)), device)
 
 
 def _logits_like(rows: int, positions: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,17 +236,23 @@ def _logits_like(rows: int, positions: int, gen: torch.Generator) -> tuple[torch
     return logits, ends
 
 
+def _logits_dtype(bf16_logits: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16_logits else torch.float32
+
+
 def make_topk_inputs(problem: TopkProblem, device="cpu", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     logits, ends = _logits_like(problem.rows, problem.positions, gen)
     starts = (ends // 4).int() if problem.has_starts else None
-    return _to(dict(logits=logits, ends=ends, k=problem.k, starts=starts), device)
+    return _to(dict(logits=logits.to(_logits_dtype(problem.bf16_logits)), ends=ends, k=problem.k, starts=starts,
+                    sorted=problem.by_score), device)
 
 
 def make_candidate_inputs(problem: CandidateProblem, device="cpu", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     logits, ends = _logits_like(problem.rows, problem.positions, gen)
-    return _to(dict(logits=logits, row_end=ends, n_blocks=problem.n_blocks, block=problem.block), device)
+    return _to(dict(logits=logits.to(_logits_dtype(problem.bf16_logits)), row_end=ends, n_blocks=problem.n_blocks,
+                    block=problem.block), device)
 
 
 def make_sparse_inputs(problem: SparseProblem, device="cpu", seed: int = 0) -> dict:
@@ -233,10 +289,10 @@ def _first(bad: torch.Tensor) -> list:
 
 def check_logits_result(expected: torch.Tensor, actual: torch.Tensor, max_diff: float = 5e-6,
                         atol_of_row: float = 1e-4) -> None:
-    """Indexer logits agree: identical -inf masks, no NaN where the reference has none, per-row similarity
-    diff < max_diff (SPECS.md), and each entry within atol_of_row x the row's largest magnitude."""
-    assert actual.dtype == torch.float32 and actual.shape == expected.shape, (actual.dtype, actual.shape)
-    expected, actual = expected.cpu(), actual.cpu()
+    """Indexer logits agree: the same dtype and shape, identical -inf masks, no NaN where the reference has none,
+    per-row similarity diff < max_diff (SPECS.md), and each entry within atol_of_row x the row's largest magnitude."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape)
+    expected, actual = expected.cpu().float(), actual.cpu().float()
     mask_differs = (expected == -torch.inf) != (actual == -torch.inf)
     assert not mask_differs.any(), f"-inf masks differ at {_first(mask_differs)}"
     new_nan = torch.isnan(actual) & ~torch.isnan(expected)
@@ -281,8 +337,31 @@ def check_topk_result(values: torch.Tensor, eligible: torch.Tensor, k: int, out:
     assert not beaten.any(), f"rows {_first(beaten)}: an unselected value beats a selected one"
 
 
+BF16_LOGITS_DIFF = 3e-5  # DeepGEMM's similarity bound for bf16 logits
+BF16_ULP = 2**-7  # of a value's magnitude, at most: two roundings of nearby fp32 logits differ by up to one
+
+
 def compare_logits(inputs: dict, expected, actual) -> None:
-    check_logits_result(expected, actual)
+    if expected.dtype == torch.bfloat16:
+        check_logits_result(expected, actual, max_diff=BF16_LOGITS_DIFF, atol_of_row=1e-4 + BF16_ULP)
+    else:
+        check_logits_result(expected, actual)
+
+
+def check_topk_order(values: torch.Tensor, out: torch.Tensor, by_score: bool) -> None:
+    """The valid prefix of each row of a top-k result is in ascending position order, or (by_score) in rank order:
+    each entry ranks above the next (a larger value, or an equal one at a lower position; NaN lowest)."""
+    values, out = values.cpu(), out.cpu().long()
+    here, after = out[:, :-1], out[:, 1:]
+    pairs = (here >= 0) & (after >= 0)
+    if by_score:
+        key = ref.order_keys(values)
+        key_here, key_after = key.gather(1, here.clamp(min=0)), key.gather(1, after.clamp(min=0))
+        in_order = (key_here > key_after) | ((key_here == key_after) & (here < after))
+    else:
+        in_order = here < after
+    wrong = (pairs & ~in_order).any(dim=1)
+    assert not wrong.any(), f"rows {_first(wrong)} are not in {'rank' if by_score else 'ascending'} order"
 
 
 def compare_topk(inputs: dict, expected, actual) -> None:
@@ -292,6 +371,7 @@ def compare_topk(inputs: dict, expected, actual) -> None:
     if inputs["starts"] is not None:
         eligible &= n >= inputs["starts"][:, None]
     check_topk_result(logits, eligible, inputs["k"], actual)
+    check_topk_order(logits, actual, inputs["sorted"])
 
 
 def compare_candidates(inputs: dict, expected, actual) -> None:
@@ -331,17 +411,24 @@ def _query_bytes(indexer: Indexer) -> int:
     return indexer.heads * (_key_bytes(indexer) - (4 if indexer.fmt == "fp8" else 0) + 4)
 
 
+def _logit_bytes(p) -> int:
+    return 2 if p.bf16_logits else 4
+
+
 def logits_cost(p: LogitsProblem) -> Cost:
     """Every pair scored (the causal inputs score about half; benchmarks count valid pairs)."""
     return Cost(flops=2 * p.rows * p.keys * p.indexer.heads * p.indexer.dim,
-                bytes=p.rows * _query_bytes(p.indexer) + p.keys * _key_bytes(p.indexer) + 4 * p.rows * (p.keys + 2))
+                bytes=p.rows * _query_bytes(p.indexer) + p.keys * _key_bytes(p.indexer)
+                + p.rows * (_logit_bytes(p) * p.keys + 8))
 
 
 def paged_cost(p: PagedProblem) -> Cost:
+    """Context lengths: one int32 per sequence, or per token (lens_2d)."""
     queries = p.batch * p.next_n
+    lens = queries if p.lens_2d else p.batch
     return Cost(flops=2 * queries * p.width * p.indexer.heads * p.indexer.dim,
                 bytes=queries * _query_bytes(p.indexer) + p.batch * p.width * _key_bytes(p.indexer)
-                + 4 * queries * p.width + 4 * p.batch * (p.max_blocks + 1))
+                + _logit_bytes(p) * queries * p.width + 4 * (p.batch * p.max_blocks + lens))
 
 
 def topk_cost(p: TopkProblem) -> Cost:
@@ -373,13 +460,14 @@ LOGITS_PRESETS = {
     "smoke": (LogitsProblem(5, 300, V41_INDEXER), LogitsProblem(3, 200, MXFP4_INDEXER)),
     **_per_format(lambda ix: tuple(LogitsProblem(rows, n, ix) for n in CONTEXTS for rows in (1, 16))),
 }
-PAGED_PRESETS = {  # decode: contexts of 8K and 64K positions in 64-position cache blocks
-    "smoke": (PagedProblem(2, 5, 2, 64, V41_INDEXER), PagedProblem(2, 3, 1, 64, MXFP4_INDEXER)),
+PAGED_PRESETS = {  # decode: contexts of 8K and 64K positions in 64-position cache blocks (smoke: MTP next_n 6 too)
+    "smoke": (PagedProblem(2, 5, 2, 64, V41_INDEXER), PagedProblem(2, 3, 1, 64, MXFP4_INDEXER),
+              PagedProblem(2, 3, 6, 64, V41_INDEXER, lens_2d=True, bf16_logits=True)),
     **_per_format(lambda ix: tuple(PagedProblem(b, n // 64, next_n, 64, ix)
                                    for n in CONTEXTS[:2] for b in (1, 8) for next_n in (1, 2))),
 }
 TOPK_PRESETS = {
-    "smoke": (TopkProblem(4, 3000, 512),),
+    "smoke": (TopkProblem(4, 3000, 512), TopkProblem(3, 2000, 64, by_score=True, bf16_logits=True)),
     "v41-flash": tuple(TopkProblem(rows, n, 512) for n in CONTEXTS for rows in (1, 16)),
     "k2048": tuple(TopkProblem(rows, n, 2048) for n in CONTEXTS for rows in (1, 16)),
 }
@@ -411,7 +499,7 @@ def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict):
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
     topk_config = tilelang_topk.topk_default(_sparse_topk_problem(problem))
     return (tilelang_logits.sparse_scores_program(problem, config, fl),
-            tilelang_topk.topk_stage_program(False, True, problem.block, topk_config, fl))
+            tilelang_topk.topk_stage_program(topk_config, fl, drop_neg_inf=True, map_block=problem.block))
 
 
 def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl):
@@ -423,48 +511,61 @@ def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl)
 # ---------------------------------------------------------------- entry points and records
 
 
-def mqa_logits(q, k, k_scale, w, ks, ke, *, q_scale=None, backend="auto", config=None):
+def mqa_logits(q, k, k_scale, w, ks, ke, *, q_scale=None, logits_dtype=torch.float32, backend="auto", config=None):
     """Dense ragged indexer logits: sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n] for ks[m] <= n < ke[m], else -inf.
 
-    Args:
+    Args (q, k, k_scale, w, q_scale: any strides but a unit last one, except a 1-D k_scale):
         q: [M, H, D] e4m3 (FP8; its per-token scale folded into w) or [M, H, D/2] uint8 (MXFP4 e2m1 pairs).
-        k: [N, D] e4m3 or [N, D/2] uint8.  k_scale: [N] fp32 (FP8) or [N, D/32] uint8 ue8m0 (MXFP4).
+        k: [N, D] e4m3 or [N, D/2] uint8.
+        k_scale: [N] fp32 (FP8) or ue8m0 (MXFP4): [N, D/32] uint8, or DeepGEMM's packed int32 [N, ceil(D/128)].
         w: [M, H] fp32 head weights.  ks, ke: [M] int32 key ranges, 0 <= ks <= ke <= N.
-        q_scale: [M, H, D/32] uint8 ue8m0 for MXFP4 queries, else None.
-    Returns: logits [M, N] fp32.
+        q_scale: ue8m0 [M, H, D/32] uint8 or int32 [M, H, ceil(D/128)] for MXFP4 queries, else None.
+        logits_dtype: torch.float32, or torch.bfloat16 (the fp32 logit rounded to nearest even).
+    Returns: logits [M, N] in logits_dtype.
     """
-    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale)
+    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale, logits_dtype=logits_dtype)
     return call(MQA_LOGITS, inputs, backend, config)
 
 
-def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, *, q_scale=None, backend="auto", config=None):
-    """Decode indexer logits over a paged key cache; token j of sequence b sees [0, context_lens[b] - next_n + j + 1).
+def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, *, q_scale=None, logits_dtype=torch.float32,
+                     backend="auto", config=None):
+    """Decode indexer logits over a paged key cache: row b * next_n + j sees positions [0, end) of sequence b, with
+    end = context_lens[b] - next_n + j + 1 (1-D context_lens) or context_lens[b, j] (2-D).
 
-    Args:
-        q: [B, next_n, H, D] e4m3 or [B, next_n, H, D/2] uint8 (next_n 1 or 2).
-        k_cache: [blocks, block_size, D] e4m3 or [blocks, block_size, D/2] uint8.
-        k_scale: [blocks, block_size] fp32 or [blocks, block_size, D/32] uint8.
-        w: [B * next_n, H] fp32.  block_table: [B, max_blocks] int32.  context_lens: [B] int32.
-        q_scale: [B, next_n, H, D/32] uint8 for MXFP4, else None.
-    Returns: logits [B * next_n, max_blocks * block_size] fp32, -inf past each token's visible context.
+    Args (q, k_cache, k_scale, w, block_table, q_scale: any strides but a unit last one):
+        q: [B, next_n, H, D] e4m3 or [B, next_n, H, D/2] uint8 (next_n 1 to 8).
+        k_cache, k_scale: data [blocks, block_size, D] e4m3 or [blocks, block_size, D/2] uint8, and scales
+            [blocks, block_size] fp32 or ue8m0 [blocks, block_size, D/32] uint8 / [.., ceil(D/128)] int32;
+            or DeepGEMM's fused pages: k_cache uint8 [blocks, block_size, 1, D + 4] (FP8) or [.., D/2 + 4] (MXFP4)
+            with k_scale None (the layout is in flashkern.reference.indexer).
+        w: [B * next_n, H] fp32.  block_table: [B, max_blocks] int32.  context_lens: [B] or [B, next_n] int32.
+        q_scale: [B, next_n, H, D/32] uint8 (or int32 [.., ceil(D/128)]) for MXFP4, else None.
+        logits_dtype: torch.float32 or torch.bfloat16.
+    Returns: logits [B * next_n, max_blocks * block_size] in logits_dtype, -inf outside each row's visible range.
     """
     inputs = dict(q=q, k_cache=k_cache, k_scale=k_scale, w=w, block_table=block_table, context_lens=context_lens,
-                  q_scale=q_scale)
+                  q_scale=q_scale, logits_dtype=logits_dtype)
     return call(PAGED_MQA_LOGITS, inputs, backend, config)
 
 
-def topk_indices(logits, ends, k, *, starts=None, backend="auto", config=None):
+def topk_indices(logits, ends, k, *, starts=None, sorted=False, backend="auto", config=None):
     """The k largest positions per row among [starts, ends) (NaN lowest, ties to the lower position).
 
-    Returns: int32 [M, k]: the chosen positions in ascending order, then -1 (min(ends - starts, k) valid).
+    Args:
+        logits: [M, N] fp32 or bf16, any row stride (unit stride along a row).
+        ends, starts: [M] int32 (starts default 0).  k: positions to keep.
+        sorted: the chosen positions in rank order (the largest value first, equal values by position) instead of
+            ascending position order.
+    Returns: int32 [M, k]: the chosen positions, then -1 (min(ends - starts, k) valid).
     """
-    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts), backend, config)
+    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts, sorted=sorted), backend, config)
 
 
 def candidate_blocks(logits, row_end, n_blocks=2048, block=8, *, backend="auto", config=None):
     """V4.1 first level: the n_blocks best blocks of `block` positions per row (block score = max over its positions
     below row_end; the newest block is always kept; ties to the lower block id).
 
+    Args: logits [M, N] fp32 or bf16, any row stride (unit stride along a row); row_end [M] int32.
     Returns: int32 [M, n_blocks] block ids in ascending order, then -1 (for blocks scoring -inf).
     """
     return call(CANDIDATE_BLOCKS, dict(logits=logits, row_end=row_end, n_blocks=n_blocks, block=block), backend, config)
@@ -503,7 +604,7 @@ MQA_LOGITS = Operator(
 
 PAGED_MQA_LOGITS = Operator(
     name="paged_mqa_logits",
-    summary="indexer logits for decode over a paged key cache (next_n 1 or 2)",
+    summary="indexer logits for decode over a paged key cache (next_n 1 to 8)",
     entry=paged_mqa_logits,
     reference=ref.paged_mqa_logits,
     implementations=(

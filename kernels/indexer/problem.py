@@ -35,23 +35,27 @@ V41_INDEXER = Indexer(32, 128, "fp8")
 
 @dataclass(frozen=True)
 class LogitsProblem(SizedProblem):
-    """mqa_logits: M query rows against N keys."""
+    """mqa_logits: M query rows against N keys; bf16_logits: the logits stored as bf16 (else fp32)."""
 
     rows: int
     keys: int
     indexer: Indexer = V41_INDEXER
+    bf16_logits: bool = False
     SIZES: ClassVar = ("rows", "keys")
 
 
 @dataclass(frozen=True)
 class PagedProblem(SizedProblem):
-    """paged_mqa_logits: `batch` sequences of next_n query tokens; block tables of max_blocks cache blocks."""
+    """paged_mqa_logits: `batch` sequences of next_n query tokens; block tables of max_blocks cache blocks;
+    lens_2d: context lengths per token [B, next_n] (else per sequence [B]); bf16_logits: bf16 logits."""
 
     batch: int
     max_blocks: int
     next_n: int = 1
     block_size: int = 64
     indexer: Indexer = V41_INDEXER
+    lens_2d: bool = False
+    bf16_logits: bool = False
     SIZES: ClassVar = ("batch", "max_blocks")
 
     @property
@@ -62,12 +66,14 @@ class PagedProblem(SizedProblem):
 
 @dataclass(frozen=True)
 class TopkProblem(SizedProblem):
-    """topk_indices: k of `positions` columns per row."""
+    """topk_indices: k of `positions` columns per row; by_score: the output in rank order (sorted=True)."""
 
     rows: int
     positions: int
     k: int = 2048
     has_starts: bool = False
+    by_score: bool = False
+    bf16_logits: bool = False
     SIZES: ClassVar = ("rows", "positions")
 
 
@@ -79,6 +85,7 @@ class CandidateProblem(SizedProblem):
     positions: int
     n_blocks: int = 2048
     block: int = 8
+    bf16_logits: bool = False
     SIZES: ClassVar = ("rows", "positions")
 
     @property

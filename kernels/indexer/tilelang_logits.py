@@ -3,11 +3,13 @@
     logits[m, n] = sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n]      (masked to -inf outside a row's range)
 
 Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots.
-  1. addressing (per mode): key_row[n] = the row of the flat key table read for slot n,
+  1. addressing (per mode): key_row[n] = the key read for slot n (a row of the flat key table,
+     or page * bs + slot of the paged cache),
      key_pos[n] = its absolute position (-1: none), bounds[r] = [lo, hi) of row r.
        dense   slots are positions n0 + n of k [N, D]; bounds [ks, ke); `rows` = block_m rows
        paged   slots are positions of sequence b; cache block block_table[b, p // bs] (read only
-               where p < context_lens[b]); bounds [0, context_lens[b] - next_n + j + 1); rows = next_n
+               where some token sees p); bounds [0, context_lens[b] - next_n + j + 1), or
+               [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n
        sparse  slot c of row m is position blocks[m, c // block] * block + c % block; bounds
                [ks, ke); rows = 1
   2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC], queries of the rows (heads
@@ -16,9 +18,13 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
      scores acc [BN, rows * HP] = k_tile . q_tile^T (fp32 accumulate):
        fp8    one gemm over D (CH = 1); each score times k_scale[n] (before the relu, as the reference)
        mxfp4  one gemm per 32-wide chunk c of D (CH = D / 32), each added with the weight
-              2^(q_e - 127) * 2^(k_e - 127) (exact powers of two)
-     then relu, times w[m, h] (padded heads give 0), and a sum over the HP heads of each row.
-  3. store the [rows, BN] tile through a staging tile: the score where lo <= key_pos < hi, else -inf.
+              2^(q_e - 127) * 2^(k_e - 127) (exact powers of two; a 0xFF byte is NaN)
+     then relu (NaN kept), times w[m, h] (padded heads give 0), and a sum over the HP heads of each row.
+  3. store the [rows, BN] tile through a staging tile: the score where lo <= key_pos < hi, else -inf;
+     fp32, or rounded to nearest-even bf16.
+q, q_scale, w, keys and their scales, block tables and candidate lists take run-time strides in
+every dimension but the last (`row_strided`); 1-D tensors (a flat table's fp8 k_scale, ks, ke,
+context lengths) and 2-D context lengths are contiguous.
 The CPU flavour takes fp8 / packed fp4 data as uint8 and decodes it with the bit codecs; the
 tiling, index math, masks and summation order are the same code for both targets, and fixed,
 so repeated runs are bitwise identical.
@@ -29,10 +35,11 @@ import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, codecs
+from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.indexer.problem import LogitsProblem, PagedProblem, SparseProblem
 
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
+UE8M0_NAN = 0xFF
 NO_POSITION = -1
 LAST_POSITION = 2**31 - 1
 
@@ -43,15 +50,22 @@ def _head_slots(heads: int) -> int:
 
 
 def _ue8m0_to_f32(exponent):
-    """fp32 value 2^(e - 127) of a ue8m0 scale byte, exact (e = 0: the subnormal 2^-127; e = 255: inf)."""
+    """fp32 value 2^(e - 127) of a ue8m0 scale byte, exact (e = 0: the subnormal 2^-127; e = 0xFF: NaN, OCP MX)."""
     e = T.Cast("uint32", exponent)
-    return T.reinterpret(T.if_then_else(e == 0, T.uint32(0x00400000), T.shift_left(e, T.uint32(23))), "float32")
+    bits = T.if_then_else(e == 0, T.uint32(0x00400000), T.shift_left(e, T.uint32(23)))
+    return T.reinterpret(T.if_then_else(e == UE8M0_NAN, T.uint32(0x7FC00000), bits), "float32")
 
 
 class _Storage:
-    """Tensor dtypes and element decoding of one indexer's storage format on one target."""
+    """Tensor dtypes, addressing and element decoding of one indexer's storage format on one target.
 
-    def __init__(self, indexer, fl: Flavour):
+    Query rows are rows of q [M, H, ...], or (paged, next_n given) rows b * next_n + j of q [B, next_n, H, ...];
+    keys are rows of a flat table [N, ...], or (paged, block_size given) keys page * block_size + slot of a cache
+    [blocks, block_size, ...]. Every tensor but the 1-D ones may have any strides (unit last stride).
+    """
+
+    def __init__(self, indexer, fl: Flavour, next_n: int | None = None, block_size: int | None = None,
+                 bf16_logits: bool = False):
         self.fl = fl
         self.fp8 = indexer.fmt == "fp8"
         self.heads, self.dim, self.packed = indexer.heads, indexer.dim, indexer.packed_dim
@@ -59,21 +73,53 @@ class _Storage:
         self.data = "float8_e4m3fn" if self.fp8 and fl.on_gpu else "uint8"  # q and k tensors
         self.operand = "float8_e4m3fn" if fl.on_gpu else "float32"  # gemm tiles
         self.key_scales = 1 if self.fp8 else self.chunks  # per key
+        self.next_n, self.block_size = next_n, block_size
+        self.bf16_logits = bf16_logits
 
-    def q_scale_shape(self, rows):
-        return (1, 1, 1) if self.fp8 else (rows, self.heads, self.chunks)
+    def _q_lead(self, row) -> tuple:
+        return (row,) if self.next_n is None else (row // self.next_n, row % self.next_n)
 
-    def k_scale_shape(self, keys):
-        return (keys,) if self.fp8 else (keys, self.chunks)
+    def _k_lead(self, key) -> tuple:
+        return (key,) if self.block_size is None else (key // self.block_size, key % self.block_size)
 
-    @property
-    def k_scale_dtype(self) -> str:
-        return "float32" if self.fp8 else "uint8"
+    def q_tensor(self, lead: tuple):
+        return row_strided((*lead, self.heads, self.packed), self.data, "q")
+
+    def q_scale_tensor(self, lead: tuple):
+        """MXFP4 q scales; for fp8 a placeholder (its per-token q scale is folded into w)."""
+        shape = (1,) * (len(lead) + 2) if self.fp8 else (*lead, self.heads, self.chunks)
+        return row_strided(shape, "uint8", "q_scale")
+
+    def k_tensor(self, lead: tuple):
+        return row_strided((*lead, self.packed), self.data, "k")
+
+    def k_scale_tensor(self, lead: tuple):
+        """fp32 per key (a flat table's is 1-D, contiguous), or ue8m0 bytes per 32 values."""
+        if self.fp8 and len(lead) == 1:
+            return T.Tensor(lead, "float32")
+        return row_strided(lead if self.fp8 else (*lead, self.chunks), "float32" if self.fp8 else "uint8", "k_scale")
+
+    def out_tensor(self, shape: tuple):
+        return T.Tensor(shape, self.fl.bf16 if self.bf16_logits else "float32")
 
     @property
     def per_byte(self) -> int:
         """Values per stored element: one e4m3, or two e2m1 codes."""
         return 1 if self.fp8 else 2
+
+    def q_at(self, Q, row, head, element):
+        return Q[(*self._q_lead(row), head, element)]
+
+    def q_scale_at(self, Qscale, row, head, chunk):
+        return _ue8m0_to_f32(Qscale[(*self._q_lead(row), head, chunk)])
+
+    def k_at(self, K, key, element):
+        return K[(*self._k_lead(key), element)]
+
+    def key_scale(self, Kscale, key, chunk):
+        if self.fp8:
+            return Kscale[self._k_lead(key)]
+        return _ue8m0_to_f32(Kscale[(*self._k_lead(key), chunk)])
 
     def e4m3(self, stored):
         """A stored e4m3 value as a gemm operand."""
@@ -84,13 +130,14 @@ class _Storage:
         value = codecs.e2m1_to_f32(T.shift_right(T.Cast("uint32", byte), T.uint32(shift)))
         return T.Cast(self.operand, value) if self.fl.on_gpu else value
 
-    def key_scale(self, Kscale, row, chunk):
-        return Kscale[row] if self.fp8 else _ue8m0_to_f32(Kscale[row, chunk])
+    def logit(self, value):
+        """An fp32 logit as stored: itself, or rounded to nearest-even bf16."""
+        return self.fl.store_bf16(value) if self.bf16_logits else value
 
 
-def _tile_macros(indexer, rows: int, block_n: int, fl: Flavour):
+def _tile_macros(st: _Storage, rows: int, block_n: int):
     """The mode-independent part of a block: score `rows` query rows against block_n key slots, store."""
-    st = _Storage(indexer, fl)
+    fl = st.fl
     H, HP, CH, DC = st.heads, _head_slots(st.heads), st.chunks, st.chunk
     BN, RH = block_n, rows * _head_slots(st.heads)
     DS = DC // st.per_byte  # stored elements per chunk
@@ -114,11 +161,11 @@ def _tile_macros(indexer, rows: int, block_n: int, fl: Flavour):
         w_tile = fl.shared((RH,), "float32")
         acc = fl.fragment((BN, RH), "float32")
         for c, n, j in fl.parallel(CH, BN, DS):
-            put(k_tile, c * BN + n, j, K[key_row[n], c * DS + j])
+            put(k_tile, c * BN + n, j, st.k_at(K, key_row[n], c * DS + j))
         for n, c in fl.parallel(BN, st.key_scales):
             k_scale[n, c] = st.key_scale(Kscale, key_row[n], c)
         for c, i, j in fl.parallel(CH, RH, DS):
-            put(q_tile, c * RH + i, j, Q[T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c * DS + j])
+            put(q_tile, c * RH + i, j, st.q_at(Q, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c * DS + j))
         for i in fl.parallel(RH):
             w_tile[i] = W[T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1)]
         if st.fp8:
@@ -129,7 +176,7 @@ def _tile_macros(indexer, rows: int, block_n: int, fl: Flavour):
             q_scale = fl.shared((RH, CH), "float32")
             part = fl.fragment((BN, RH), "float32")
             for i, c in fl.parallel(RH, CH):
-                q_scale[i, c] = _ue8m0_to_f32(Qscale[T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c])
+                q_scale[i, c] = st.q_scale_at(Qscale, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c)
             for n, i in fl.parallel(BN, RH):
                 acc[n, i] = 0.0
             for c in T.serial(CH):
@@ -138,8 +185,9 @@ def _tile_macros(indexer, rows: int, block_n: int, fl: Flavour):
                 for n, i in fl.parallel(BN, RH):
                     acc[n, i] = acc[n, i] + part[n, i] * (q_scale[i, c] * k_scale[n, c])
         per_head = T.reshape(acc, (BN, rows, HP))
-        for n, r, h in fl.parallel(BN, rows, HP):
-            per_head[n, r, h] = T.if_then_else(h < H, T.max(per_head[n, r, h], 0.0) * w_tile[r * HP + h], 0.0)
+        for n, r, h in fl.parallel(BN, rows, HP):  # relu keeps NaN (a 0xFF scale), as the reference's
+            per_head[n, r, h] = T.if_then_else(
+                h < H, T.if_then_else(per_head[n, r, h] < 0.0, 0.0, per_head[n, r, h]) * w_tile[r * HP + h], 0.0)
         T.reduce_sum(per_head, logits, dim=2)
 
     @T.macro
@@ -158,14 +206,33 @@ def _tile_macros(indexer, rows: int, block_n: int, fl: Flavour):
                                           NEG_INF)
         for r, n in fl.parallel(rows, BN):
             if (m0 + r < n_rows) & (n0 + n < width):
-                Out[m0 + r, n0 + n] = staged[r, n]
+                Out[m0 + r, n0 + n] = st.logit(staged[r, n])
 
-    return st, tile
+    return tile
 
 
 def _addressing(fl: Flavour, rows: int, block_n: int):
     """Per-block index buffers: key_row [BN], key_pos [BN] (int32) and bounds [rows, 2] (lo, hi)."""
     return (fl.shared((block_n,), "int32"), fl.shared((block_n,), "int32"), fl.shared((rows, 2), "int32"))
+
+
+def _q_scale_arg(q_scale, lead_dims: int, device):
+    """MXFP4 q scales, or a placeholder for fp8 (whose per-token q scale is folded into w)."""
+    return torch.zeros((1,) * (lead_dims + 2), dtype=torch.uint8, device=device) if q_scale is None else q_scale
+
+
+def _data_arg(tensor, st: _Storage):
+    """q / k as the kernel takes them: e4m3 itself on GPU, its bytes on CPU; packed fp4 bytes as they are."""
+    return tensor if st.data != "uint8" else tensor.view(torch.uint8)
+
+
+def _logits(shape: tuple, bf16: bool, device):
+    return torch.empty(shape, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
+
+
+def _out_arg(logits, fl: Flavour):
+    """The logits as the kernel takes them (bf16 travels as its uint16 bits on CPU)."""
+    return fl.bf16_arg(logits) if logits.dtype == torch.bfloat16 else logits
 
 
 # ---------------------------------------------------------------- mqa_logits (dense, ragged)
@@ -174,20 +241,21 @@ def _addressing(fl: Flavour, rows: int, block_n: int):
 def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
     """logits [M, N] for q [M, H, D], k [N, D] with per-row key ranges [ks, ke)."""
     BM, BN = config["block_m"], config["block_n"]
-    st, tile = _tile_macros(problem.indexer, BM, BN, fl)
-    H, DP = st.heads, st.packed
+    st = _Storage(problem.indexer, fl, bf16_logits=problem.bf16_logits)
+    tile = _tile_macros(st, BM, BN)
+    H = st.heads
     M, N = T.dynamic("M"), T.dynamic("N")
 
     @T.prim_func
     def mqa_logits(
-        Q: T.Tensor((M, H, DP), st.data),
-        Qscale: T.Tensor(st.q_scale_shape(M), "uint8"),
-        K: T.Tensor((N, DP), st.data),
-        Kscale: T.Tensor(st.k_scale_shape(N), st.k_scale_dtype),
-        W: T.Tensor((M, H), "float32"),
+        Q: st.q_tensor((M,)),
+        Qscale: st.q_scale_tensor((M,)),
+        K: st.k_tensor((N,)),
+        Kscale: st.k_scale_tensor((N,)),
+        W: row_strided((M, H), "float32", "w"),
         Ks: T.Tensor((M,), "int32"),
         Ke: T.Tensor((M,), "int32"),
-        Out: T.Tensor((M, N), "float32"),
+        Out: st.out_tensor((M, N)),
     ):
         with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=config["threads"]) as (bx, by):
             key_row, key_pos, bounds = _addressing(fl, BM, BN)
@@ -203,58 +271,55 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
     return mqa_logits
 
 
-def _q_scale_arg(q_scale, device):
-    """MXFP4 q scales, or a placeholder for fp8 (whose per-token q scale is folded into w)."""
-    return torch.zeros((1, 1, 1), dtype=torch.uint8, device=device) if q_scale is None else q_scale
-
-
-def _data_arg(tensor, st: _Storage):
-    """q / k as the kernel takes them: e4m3 itself on GPU, its bytes on CPU; packed fp4 bytes as they are."""
-    return tensor if st.data != "uint8" else tensor.view(torch.uint8)
-
-
 def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour):
     q, k = inputs["q"], inputs["k"]
     st = _Storage(problem.indexer, fl)
     rows, keys = q.shape[0], k.shape[0]
-    logits = torch.empty((rows, keys), dtype=torch.float32, device=q.device)
+    logits = _logits((rows, keys), problem.bf16_logits, q.device)
     if rows == 0 or keys == 0:
         return None, logits
-    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], q.device), _data_arg(k, st), inputs["k_scale"],
-            inputs["w"], inputs["ks"], inputs["ke"], logits], logits
+    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 1, q.device), _data_arg(k, st), inputs["k_scale"],
+            inputs["w"], inputs["ks"], inputs["ke"], _out_arg(logits, fl)], logits
 
 
 # ---------------------------------------------------------------- paged_mqa_logits (decode)
 
 
 def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
-    """logits [B * next_n, max_blocks * bs] over a paged cache viewed as a flat key table [blocks * bs, D]."""
+    """logits [B * next_n, max_blocks * bs] over a paged cache [blocks, bs, D]."""
     BN, NEXT, BS = config["block_n"], problem.next_n, problem.block_size
-    st, tile = _tile_macros(problem.indexer, NEXT, BN, fl)
-    H, DP = st.heads, st.packed
-    B, MB = T.dynamic("B"), T.dynamic("max_blocks")
-    R, WIDTH, KR = T.dynamic("rows"), T.dynamic("width"), T.dynamic("cache_rows")  # B * next_n, MB * bs, blocks * bs
+    st = _Storage(problem.indexer, fl, next_n=NEXT, block_size=BS, bf16_logits=problem.bf16_logits)
+    tile = _tile_macros(st, NEXT, BN)
+    H = st.heads
+    B, MB, NB = T.dynamic("B"), T.dynamic("max_blocks"), T.dynamic("cache_blocks")
+    R, WIDTH = T.dynamic("rows"), T.dynamic("width")  # B * next_n, MB * bs
 
     @T.prim_func
     def paged_mqa_logits(
-        Q: T.Tensor((R, H, DP), st.data),
-        Qscale: T.Tensor(st.q_scale_shape(R), "uint8"),
-        K: T.Tensor((KR, DP), st.data),
-        Kscale: T.Tensor(st.k_scale_shape(KR), st.k_scale_dtype),
-        W: T.Tensor((R, H), "float32"),
-        Table: T.Tensor((B, MB), "int32"),
-        Lens: T.Tensor((B,), "int32"),
-        Out: T.Tensor((R, WIDTH), "float32"),
+        Q: st.q_tensor((B, NEXT)),
+        Qscale: st.q_scale_tensor((B, NEXT)),
+        K: st.k_tensor((NB, BS)),
+        Kscale: st.k_scale_tensor((NB, BS)),
+        W: row_strided((R, H), "float32", "w"),
+        Table: row_strided((B, MB), "int32", "block_table"),
+        Lens: T.Tensor((B, NEXT) if problem.lens_2d else (B,), "int32"),
+        Out: st.out_tensor((R, WIDTH)),
     ):
         with T.Kernel(T.ceildiv(WIDTH, BN), B, threads=config["threads"]) as (bx, b):
             key_row, key_pos, bounds = _addressing(fl, NEXT, BN)
+            for j in fl.parallel(NEXT):
+                bounds[j, 0] = 0
+                if problem.lens_2d:  # per token: row b * next_n + j sees [0, context_lens[b, j])
+                    bounds[j, 1] = Lens[b, j]
+                else:  # per sequence: token j sees [0, context_lens[b] - next_n + j + 1)
+                    bounds[j, 1] = Lens[b] - NEXT + j + 1
+            seen = T.alloc_var("int32", init=0)  # positions some token sees
+            for j in T.serial(NEXT):
+                seen = T.max(seen, bounds[j, 1])
             for n in fl.parallel(BN):
                 key_pos[n] = bx * BN + n
                 key_row[n] = T.if_then_else(  # table entries past the context may be garbage: never follow them
-                    bx * BN + n < Lens[b], Table[b, T.min((bx * BN + n) // BS, MB - 1)], 0) * BS + (bx * BN + n) % BS
-            for j in fl.parallel(NEXT):
-                bounds[j, 0] = 0
-                bounds[j, 1] = Lens[b] - NEXT + j + 1
+                    bx * BN + n < seen, Table[b, T.min((bx * BN + n) // BS, MB - 1)], 0) * BS + (bx * BN + n) % BS
             tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, b * NEXT, R, bx * BN, bx * BN + BN - 1,
                  bx * BN, WIDTH, Out)
 
@@ -265,12 +330,11 @@ def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour):
     q, k_cache, table = inputs["q"], inputs["k_cache"], inputs["block_table"]
     st = _Storage(problem.indexer, fl)
     batch, next_n, bs = q.shape[0], q.shape[1], k_cache.shape[1]
-    logits = torch.empty((batch * next_n, table.shape[1] * bs), dtype=torch.float32, device=q.device)
+    logits = _logits((batch * next_n, table.shape[1] * bs), problem.bf16_logits, q.device)
     if logits.numel() == 0 or k_cache.shape[0] == 0:  # no cache blocks: every context is empty
         return None, logits.fill_(-torch.inf)
-    q_scale = None if inputs["q_scale"] is None else inputs["q_scale"].flatten(0, 1)
-    return [_data_arg(q.flatten(0, 1), st), _q_scale_arg(q_scale, q.device), _data_arg(k_cache.flatten(0, 1), st),
-            inputs["k_scale"].flatten(0, 1), inputs["w"], table, inputs["context_lens"], logits], logits
+    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 2, q.device), _data_arg(k_cache, st),
+            inputs["k_scale"], inputs["w"], table, inputs["context_lens"], _out_arg(logits, fl)], logits
 
 
 # ---------------------------------------------------------------- sparse scores (inside candidate blocks)
@@ -279,20 +343,21 @@ def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour):
 def sparse_scores_program(problem: SparseProblem, config: dict, fl: Flavour):
     """scores [M, n_blocks * block]: the logit of each candidate slot's position, -inf where it has none."""
     BN, BLK = config["block_n"], problem.block
-    st, tile = _tile_macros(problem.indexer, 1, BN, fl)
-    H, DP = st.heads, st.packed
+    st = _Storage(problem.indexer, fl)
+    tile = _tile_macros(st, 1, BN)
+    H = st.heads
     M, N, NB, WIDTH = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB"), T.dynamic("width")  # WIDTH = NB * BLK
 
     @T.prim_func
     def sparse_scores(
-        Q: T.Tensor((M, H, DP), st.data),
-        Qscale: T.Tensor(st.q_scale_shape(M), "uint8"),
-        K: T.Tensor((N, DP), st.data),
-        Kscale: T.Tensor(st.k_scale_shape(N), st.k_scale_dtype),
-        W: T.Tensor((M, H), "float32"),
+        Q: st.q_tensor((M,)),
+        Qscale: st.q_scale_tensor((M,)),
+        K: st.k_tensor((N,)),
+        Kscale: st.k_scale_tensor((N,)),
+        W: row_strided((M, H), "float32", "w"),
         Ks: T.Tensor((M,), "int32"),
         Ke: T.Tensor((M,), "int32"),
-        Blocks: T.Tensor((M, NB), "int32"),
+        Blocks: row_strided((M, NB), "int32", "blocks"),
         Out: T.Tensor((M, WIDTH), "float32"),
     ):
         with T.Kernel(T.ceildiv(WIDTH, BN), M, threads=config["threads"]) as (bx, m):
@@ -316,7 +381,7 @@ def sparse_scores_args(problem: SparseProblem, inputs: dict, fl: Flavour):
     scores = torch.empty((q.shape[0], problem.candidates), dtype=torch.float32, device=q.device)
     if scores.numel() == 0 or k.shape[0] == 0:  # no keys: no candidate position exists
         return None, scores.fill_(-torch.inf)
-    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], q.device), _data_arg(k, st), inputs["k_scale"],
+    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 1, q.device), _data_arg(k, st), inputs["k_scale"],
             inputs["w"], inputs["ks"], inputs["ke"], blocks, scores], scores
 
 
@@ -357,9 +422,10 @@ def logits_default(problem: LogitsProblem) -> dict:
 
 
 def paged_default(problem: PagedProblem) -> dict:
-    """128 keys a block; two warpgroups when the next_n rows' scores would not fit in one's registers."""
-    return next(c for c in ({"block_n": 128, "threads": 128}, {"block_n": 128, "threads": 256},
-                            {"block_n": 64, "threads": 256}) if not PAGED_SPACE.violations(problem, c))
+    """128 keys a block; two warpgroups when the next_n rows' scores would not fit in one's registers; the smallest
+    tile when none fits (next_n x padded heads above 256 for fp8, 128 for mxfp4)."""
+    candidates = ({"block_n": 128, "threads": 128}, {"block_n": 128, "threads": 256}, {"block_n": 64, "threads": 256})
+    return next((c for c in candidates if not PAGED_SPACE.violations(problem, c)), candidates[-1])
 
 
 def sparse_default(problem: SparseProblem) -> dict:

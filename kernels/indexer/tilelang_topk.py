@@ -23,7 +23,8 @@ positions from its start to its end.
      loop on CPU), and each thread writes its taken positions in ascending order.
 Variants: starts (the row is [start, end) instead of [0, end)), drop_neg_inf (keys of -inf and
 NaN are not eligible) and an index map for the sparse path (emitted c -> blocks[m, c // B] * B
-+ c % B).
++ c % B). Values may be fp32 or bf16 (decoded exactly to fp32) and row-strided.
+sorted=True adds a launch that puts the chosen positions in rank order (rank_order_program).
 candidate_blocks is two launches: block scores [M, ceil(N / block)] (a thread per block; a zero
 maximum stored as +0.0), then the top-k stage over them with drop_neg_inf.
 """
@@ -33,7 +34,7 @@ import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels._tilelang import Flavour, row_strided
 from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem
 
 RADIX_BITS = 8
@@ -68,8 +69,15 @@ def _inclusive_scan(fl: Flavour, size: int, reverse: bool):
     return scan
 
 
-def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, config: dict, fl: Flavour):
-    """Top-k of values [M, W] over [starts, ends) per row -> out int32 [M, k] (see the module docstring).
+def _values(fl: Flavour, bf16: bool):
+    """(storage dtype of a values / logits tensor, its element's fp32 value): bf16 is exact in fp32."""
+    return (fl.bf16, fl.load_bf16) if bf16 else ("float32", lambda stored: stored)
+
+
+def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, drop_neg_inf: bool = False,
+                       map_block: int = 0, bf16: bool = False):
+    """Top-k of values [M, W] (fp32, or bf16 with bf16) over [starts, ends) per row -> out int32 [M, k] (see the
+    module docstring). Values and the block map may be row-strided.
 
     k is dynamic like the sizes: one compiled kernel serves every k (k = 512 and 2048 alike).
     """
@@ -78,6 +86,7 @@ def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, con
     rows, width, mapped_blocks, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("NB"), T.dynamic("K")
     prefix_sums = _inclusive_scan(fl, threads, reverse=False)
     suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+    dtype, value = _values(fl, bf16)
 
     def eligible(key, also):
         """`also` for an eligible key: keys of -inf and NaN are not eligible under drop_neg_inf."""
@@ -89,10 +98,10 @@ def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, con
 
     @T.prim_func
     def topk_stage(
-        Values: T.Tensor((rows, width), "float32"),
+        Values: row_strided((rows, width), dtype, "values"),
         Ends: T.Tensor((rows,), "int32"),
         Starts: T.Tensor((rows if has_starts else 1,), "int32"),
-        Blocks: T.Tensor((rows, mapped_blocks) if map_block else (1, 1), "int32"),
+        Blocks: row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32"),
         Out: T.Tensor((rows, k), "int32"),
     ):
         with T.Kernel(rows, threads=threads) as m:
@@ -127,7 +136,7 @@ def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, con
                         for i in fl.parallel(tile):
                             n = start + t * tile + i
                             if n < end:
-                                key = _key(Values[m, n])
+                                key = _key(value(Values[m, n]))
                                 if eligible(key, ((key ^ SIGN_BIT) & fixed) == prefix):
                                     T.atomic_add(hist[((key ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
                     suffix_sums(hist)
@@ -167,7 +176,7 @@ def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, con
                         for j in T.serial(items):
                             n = start + t * tile + th * items + j
                             if n < end:
-                                key = _key(Values[m, n])
+                                key = _key(value(Values[m, n]))
                                 if eligible(key, key > thr):
                                     mine[th] = mine[th] + 1
                                 elif eligible(key, key == thr):
@@ -180,7 +189,7 @@ def topk_stage_program(has_starts: bool, drop_neg_inf: bool, map_block: int, con
                         for j in T.serial(items):
                             n = start + t * tile + th * items + j
                             if n < end:
-                                key = _key(Values[m, n])
+                                key = _key(value(Values[m, n]))
                                 if eligible(key, key > thr):
                                     Out[m, above_at[th] + T.min(equal_at[th], budget)] = mapped(Blocks, m, n)
                                     above_at[th] = above_at[th] + 1
@@ -207,18 +216,78 @@ def topk_stage_args(values, ends, k: int, fl: Flavour, *, starts=None, blocks=No
         starts = torch.zeros(1, dtype=torch.int32, device=device)
     if blocks is None:
         blocks = torch.zeros((1, 1), dtype=torch.int32, device=device)
-    return [values, ends, starts, blocks, out], out
+    return [_values_arg(values, fl), ends, starts, blocks, out], out
+
+
+def _values_arg(values, fl: Flavour):
+    return fl.bf16_arg(values) if values.dtype == torch.bfloat16 else values
+
+
+RANK_CHUNK = 1024  # chosen keys staged in shared memory at a time (4 KiB)
+
+
+def rank_order_program(config: dict, fl: Flavour, *, bf16: bool = False):
+    """The chosen positions of each row (ascending, then -1) in rank order: entry i goes to output slot
+    #{j: key_j > key_i} + #{j < i: key_j == key_i} (equal values keep their position order); -1 padding stays.
+
+    A block per row; each thread ranks one chosen entry at a time against the row's chosen keys, staged in
+    shared memory RANK_CHUNK at a time: O(k^2 / threads) compares per thread.
+    """
+    threads = config["threads"]
+    rows, width, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("K")
+    dtype, value = _values(fl, bf16)
+
+    def key_of(Values, Chosen, m, j):
+        """The key of chosen entry j, or the lowest key (never counted ahead of a valid entry) past the valid ones."""
+        position = Chosen[m, T.min(j, k - 1)]
+        return T.if_then_else((j < k) & (position >= 0), _key(value(Values[m, T.max(position, 0)])), SIGN_BIT)
+
+    @T.prim_func
+    def rank_order(
+        Values: row_strided((rows, width), dtype, "values"),
+        Chosen: T.Tensor((rows, k), "int32"),
+        Out: T.Tensor((rows, k), "int32"),
+    ):
+        with T.Kernel(rows, threads=threads) as m:
+            keys = fl.shared((RANK_CHUNK,), "int32")  # keys of chosen entries j0 * RANK_CHUNK ..
+            key_i = fl.fragment((threads,), "int32")
+            rank = fl.fragment((threads,), "int32")
+            for i0 in T.serial(T.ceildiv(k, threads)):
+                for th in fl.parallel(threads):
+                    key_i[th] = key_of(Values, Chosen, m, i0 * threads + th)
+                    rank[th] = 0
+                for j0 in T.serial(T.ceildiv(k, RANK_CHUNK)):
+                    for c in fl.parallel(RANK_CHUNK):
+                        keys[c] = key_of(Values, Chosen, m, j0 * RANK_CHUNK + c)
+                    for th in fl.parallel(threads):
+                        for c in T.serial(RANK_CHUNK):
+                            ahead = (keys[c] > key_i[th]) | ((keys[c] == key_i[th]) & (j0 * RANK_CHUNK + c < i0 * threads + th))
+                            if ahead:
+                                rank[th] = rank[th] + 1
+                for th in fl.parallel(threads):
+                    if i0 * threads + th < k:
+                        position = Chosen[m, i0 * threads + th]
+                        Out[m, T.if_then_else(position >= 0, rank[th], i0 * threads + th)] = position
+
+    return rank_order
 
 
 # ---------------------------------------------------------------- topk_indices
 
 
 def topk_program(problem: TopkProblem, config: dict, fl: Flavour):
-    return topk_stage_program(problem.has_starts, False, 0, config, fl)
+    """The top-k stage; with sorted=True, then the rank-order stage."""
+    select = topk_stage_program(config, fl, has_starts=problem.has_starts, bf16=problem.bf16_logits)
+    return (select, rank_order_program(config, fl, bf16=problem.bf16_logits)) if problem.by_score else select
 
 
 def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour):
-    return topk_stage_args(inputs["logits"], inputs["ends"], inputs["k"], fl, starts=inputs["starts"])
+    logits = inputs["logits"]
+    select_args, chosen = topk_stage_args(logits, inputs["ends"], inputs["k"], fl, starts=inputs["starts"])
+    if not problem.by_score or select_args is None:
+        return select_args, chosen
+    out = torch.empty_like(chosen)
+    return (select_args, [_values_arg(logits, fl), chosen, out]), out
 
 
 # GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a), threads x items: 128x32 40
@@ -248,15 +317,17 @@ def topk_default(problem: TopkProblem) -> dict:
 # ---------------------------------------------------------------- candidate_blocks
 
 
-def block_max_program(block: int, config: dict, fl: Flavour):
-    """Block scores [M, NB] of logits [M, N] below row_end [M] (NaN as -inf, the newest block +inf), a thread each."""
+def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = False):
+    """Block scores [M, NB] of logits [M, N] (fp32, or bf16 with bf16; row-strided) below row_end [M] (NaN as -inf,
+    the newest block +inf), a thread each."""
     per_block = config["score_threads"]
     rows, width, n_blocks = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB")
     inf = T.infinity("float32")
+    dtype, value = _values(fl, bf16)
 
     @T.prim_func
     def block_max(
-        Logits: T.Tensor((rows, width), "float32"),
+        Logits: row_strided((rows, width), dtype, "logits"),
         RowEnd: T.Tensor((rows,), "int32"),
         Scores: T.Tensor((rows, n_blocks), "float32"),
     ):
@@ -268,7 +339,7 @@ def block_max_program(block: int, config: dict, fl: Flavour):
                 for j in T.serial(block):
                     n = (bx * per_block + b) * block + j
                     if n < end:  # the comparison is false for NaN: it counts as -inf
-                        best[b] = T.if_then_else(Logits[m, n] > best[b], Logits[m, n], best[b])
+                        best[b] = T.if_then_else(value(Logits[m, n]) > best[b], value(Logits[m, n]), best[b])
                 if bx * per_block + b < n_blocks:
                     newest = (end > 0) & (bx * per_block + b == (end - 1) // block)
                     # a zero maximum is stored as +0.0 (-0.0 ranks below it; which zero a max keeps is arbitrary)
@@ -280,8 +351,8 @@ def block_max_program(block: int, config: dict, fl: Flavour):
 
 def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
     """(block scores, top-k of them with -inf blocks dropped)."""
-    return (block_max_program(problem.block, config, fl),
-            topk_stage_program(False, True, 0, config, fl))
+    return (block_max_program(problem.block, config, fl, bf16=problem.bf16_logits),
+            topk_stage_program(config, fl, drop_neg_inf=True))
 
 
 def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavour):
@@ -291,7 +362,7 @@ def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavo
         return None, torch.full((rows, n_blocks), -1, dtype=torch.int32, device=logits.device)
     scores = torch.empty((rows, problem.blocks), dtype=torch.float32, device=logits.device)
     select_args, out = topk_stage_args(scores, None, n_blocks, fl)
-    return ([logits, row_end, scores], select_args), out
+    return ([_values_arg(logits, fl), row_end, scores], select_args), out
 
 
 BLOCKS_SPACE = Space(

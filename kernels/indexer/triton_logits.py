@@ -10,13 +10,17 @@ span of TILES x BLOCK_N output columns. Its q tile [ROWS x H, D] (heads padded t
 put while it walks the span one key tile at a time:
   1. column -> key position (dense and paged: the column itself; sparse: candidate block
      blocks[m, c // block] and slot c % block) and the rows that may see it ([ks, ke) per row;
-     paged: [0, context_len - next_n + j + 1));
+     paged: [0, context_lens[b] - next_n + j + 1), or [0, context_lens[b, j]) for 2-D lengths);
   2. a tile no row may see is stored as -inf and nothing else is read;
   3. otherwise key storage rows (paged: through the block table, read only where seen), then
      S = K Q^T [BLOCK_N, ROWS x H] in fp32: one fp8 dot over D, or for MXFP4 one dot per 32
      values of D on e2m1 codes decoded to e4m3 in registers (exact), each scaled by its two
-     ue8m0 block scales (a power of two: exact) and summed in chunk order;
-  4. relu, times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf masked, stored.
+     ue8m0 block scales (a power of two: exact; 0xFF is NaN) and summed in chunk order;
+  4. relu (NaN kept), times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf
+     masked, stored as fp32 or rounded to nearest-even bf16.
+Every input is addressed through its strides (all but the last dimension, which is unit-stride):
+q, q_scale and w per row and head, keys and their scales per position or per (cache block, slot),
+block tables and candidate lists per row; context lengths, ks and ke are contiguous.
 The keys of a tile are the MMA's M side, so one query row's heads (32 or 64) suffice for its
 N side. Every sum has a fixed order: repeated runs are bitwise identical. (sm_90's fp8 MMAs
 add inside one dot at less than fp32 precision, as DeepGEMM's do; the upstream similarity
@@ -31,36 +35,39 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels._triton import Launch
+from flashkern.kernels._triton import Launch, round_to_bf16
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
 MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
 E2M1_AS_E4M3_CORRECTION = tl.constexpr(4096.0)  # 2^6 x 2^6: e2m1 codes read as e4m3 are 2^-6 of their values
+UE8M0_NAN = tl.constexpr(255)
 
 
 @triton.jit
-def _mxfp4_chunk(packed_ptr, scale_ptr, rows, rows_ok, chunk, D: tl.constexpr):
-    """Block `chunk` (values chunk*32 .. chunk*32+31) of MXFP4 rows [R]: the e2m1 values times 2^-6 as e4m3 [R, 32]
-    and the block scale 2^(e - 127) as fp32 [R], all exact.
+def _mxfp4_chunk(packed_ptr, data_row, scale_ptr, scale_row, rows_ok, chunk):
+    """Block `chunk` (values chunk*32 .. chunk*32+31) of MXFP4 rows [R] (int64 offsets of each row's first byte in
+    packed / scale): the e2m1 values times 2^-6 as e4m3 [R, 32] and the block scale 2^(e - 127) as fp32 [R], all
+    exact (e = 0: 2^-127; e = 0xFF: NaN, as OCP MX).
 
     An e2m1 code s|ee|m (even element in the low nibble) placed at bits 7 and 4..2 of a byte reads as the e4m3
     value 2^-6 times its own: exponent ee with e4m3's bias 7 instead of e2m1's 1, subnormals included.
     """
     element = tl.arange(0, MX_BLOCK)[None, :]
-    byte = tl.load(packed_ptr + rows[:, None] * (D // 2) + chunk * (MX_BLOCK // 2) + element // 2,
+    byte = tl.load(packed_ptr + data_row[:, None] + chunk * (MX_BLOCK // 2) + element // 2,
                    mask=rows_ok[:, None], other=0)
     code = byte >> ((element % 2) * 4).to(tl.uint8)  # bits 3..0: this element's code
     values = (((code << 2) & 0x1C) | ((code << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
-    e = tl.load(scale_ptr + rows * (D // MX_BLOCK) + chunk, mask=rows_ok, other=127).to(tl.int32)
+    e = tl.load(scale_ptr + scale_row + chunk, mask=rows_ok, other=127).to(tl.int32)
     scale = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 2.0**-127)
+    scale = tl.where(e == UE8M0_NAN, float("nan"), scale)
     return values, scale
 
 
 @triton.jit
-def _key_positions(col, group, keys, width, blocks_ptr, table_width, MODE: tl.constexpr, BLOCK: tl.constexpr):
+def _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """Absolute key position of each output column and whether that key exists."""
     if MODE == SPARSE:
-        block_id = tl.load(blocks_ptr + group.to(tl.int64) * table_width + col // BLOCK, mask=col < width, other=-1)
+        block_id = tl.load(blocks_ptr + group.to(tl.int64) * stride_table + col // BLOCK, mask=col < width, other=-1)
         position = block_id * BLOCK + col % BLOCK
         exists = (block_id >= 0) & (position < keys)
     else:
@@ -70,30 +77,34 @@ def _key_positions(col, group, keys, width, blocks_ptr, table_width, MODE: tl.co
 
 
 @triton.jit
-def _key_storage_rows(position, needed, group, table_ptr, table_width, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row of each needed key in k / k_scale: the position itself, or its slot in the paged cache."""
+def _key_rows(position, needed, group, table_ptr, stride_table, stride_k_page, stride_k_slot, stride_ks_page,
+              stride_ks_slot, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """int64 offsets of each needed key's data and scales: slot p % BLOCK of cache block table[b, p // BLOCK]
+    (paged), or row p of a flat key table."""
     if MODE == PAGED:
-        page = tl.load(table_ptr + group.to(tl.int64) * table_width + position // BLOCK, mask=needed, other=0)
-        storage_row = page.to(tl.int64) * BLOCK + position % BLOCK
-    else:
-        storage_row = position.to(tl.int64)
-    return storage_row
+        page = tl.load(table_ptr + group.to(tl.int64) * stride_table + position // BLOCK, mask=needed, other=0)
+        page = page.to(tl.int64)
+        slot = position % BLOCK
+        return page * stride_k_page + slot * stride_k_slot, page * stride_ks_page + slot * stride_ks_slot
+    position = position.to(tl.int64)
+    return position * stride_k_page, position * stride_ks_page
 
 
 @triton.jit
-def _head_dots(q_tile, q_ptr, q_scale_ptr, q_rows, q_ok, k_ptr, k_scale_ptr, key_rows, needed,
+def _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row, needed,
                FP4: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """S = K Q^T: fp32 [BLOCK_N, ROWS x H_PAD] dot products of the tile's keys with every (row, head) of q."""
+    """S = K Q^T: fp32 [BLOCK_N, ROWS x H_PAD] dot products of the tile's keys with every (row, head) of q.
+    q_row, qs_row, k_row, ks_row: int64 offsets of each (row, head)'s / key's data and scales."""
     if FP4:
-        S = tl.zeros((key_rows.shape[0], q_rows.shape[0]), tl.float32)
+        S = tl.zeros((k_row.shape[0], q_row.shape[0]), tl.float32)
         for chunk in range(D // MX_BLOCK):
-            k, k_scale = _mxfp4_chunk(k_ptr, k_scale_ptr, key_rows, needed, chunk, D)
-            q, q_scale = _mxfp4_chunk(q_ptr, q_scale_ptr, q_rows, q_ok, chunk, D)
-            S += tl.dot(k, tl.trans(q)) * k_scale[:, None] * q_scale[None, :]
+            k, k_scale = _mxfp4_chunk(k_ptr, k_row, k_scale_ptr, ks_row, needed, chunk)
+            q, q_scale = _mxfp4_chunk(q_ptr, q_row, q_scale_ptr, qs_row, q_ok, chunk)
+            S += tl.dot(k, tl.trans(q)) * (k_scale[:, None] * q_scale[None, :])  # scales first: exact, no underflow
         S = S * E2M1_AS_E4M3_CORRECTION
     else:
         d = tl.arange(0, BLOCK_D)[None, :]
-        k = tl.load(k_ptr + key_rows[:, None] * D + d, mask=needed[:, None] & (d < D), other=0.0)
+        k = tl.load(k_ptr + k_row[:, None] + d, mask=needed[:, None] & (d < D), other=0.0)
         S = tl.dot(k, tl.trans(q_tile))
     return S
 
@@ -102,12 +113,16 @@ def _head_dots(q_tile, q_ptr, q_scale_ptr, q_rows, q_ok, k_ptr, k_scale_ptr, key
 def indexer_logits_kernel(
     q_ptr, q_scale_ptr, w_ptr, k_ptr, k_scale_ptr, out_ptr,
     ks_ptr, ke_ptr,  # dense and sparse: each row's visible positions [ks, ke)
-    table_ptr, context_ptr,  # paged: block table [B, table_width], context lengths [B]
-    blocks_ptr,  # sparse: candidate blocks [M, table_width]
-    rows, keys, width, table_width,
+    table_ptr, context_ptr,  # paged: block table [B, *], context lengths [B] or [B, next_n]
+    blocks_ptr,  # sparse: candidate blocks [M, *]
+    rows, keys, width,
+    # element strides: q and q_scale per program group, row within it and head; w per row and head; keys and
+    # their scales per page (flat key tables: per position) and slot; block table / candidate blocks per row
+    stride_q_group, stride_q_row, stride_q_head, stride_qs_group, stride_qs_row, stride_qs_head,
+    stride_w_row, stride_w_head, stride_k_page, stride_k_slot, stride_ks_page, stride_ks_slot, stride_table,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constexpr,
     MODE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    LENS_2D: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     group = tl.program_id(0)  # dense: rows group*ROWS ..; paged: sequence `group`; sparse: row `group`
     first = group * ROWS
@@ -117,7 +132,10 @@ def indexer_logits_kernel(
     row_ok = row < end
     if MODE == PAGED:
         lo = tl.zeros((ROWS_PAD,), tl.int32)
-        hi = tl.where(row_ok, tl.load(context_ptr + group) - ROWS + 1 + (row - first), 0)
+        if LENS_2D:  # [B, next_n]: row b * next_n + j sees [0, context_lens[b, j])
+            hi = tl.load(context_ptr + row, mask=row_ok, other=0)
+        else:  # [B]: token j sees [0, context_lens[b] - next_n + j + 1)
+            hi = tl.where(row_ok, tl.load(context_ptr + group) - ROWS + 1 + (row - first), 0)
     else:
         lo = tl.load(ks_ptr + row, mask=row_ok, other=0)
         hi = tl.load(ke_ptr + row, mask=row_ok, other=0)
@@ -126,47 +144,80 @@ def indexer_logits_kernel(
     hi_max = tl.max(tl.where(nonempty, hi, 0), axis=0)
     # q and w of every (row, head) slot, slot = r * H_PAD + h
     slot = tl.arange(0, ROWS_PAD * H_PAD)
-    slot_head = slot % H_PAD
-    q_ok = (first + slot // H_PAD < end) & (slot_head < H)
-    q_rows = (first + slot // H_PAD).to(tl.int64) * H + slot_head
+    slot_row, slot_head = slot // H_PAD, slot % H_PAD
+    q_ok = (first + slot_row < end) & (slot_head < H)
+    group_64 = group.to(tl.int64)
+    q_row = group_64 * stride_q_group + slot_row * stride_q_row + slot_head * stride_q_head
+    qs_row = group_64 * stride_qs_group + slot_row * stride_qs_row + slot_head * stride_qs_head
     q_tile = None
     if not FP4:
         d = tl.arange(0, BLOCK_D)[None, :]
-        q_tile = tl.load(q_ptr + q_rows[:, None] * D + d, mask=q_ok[:, None] & (d < D), other=0.0)
+        q_tile = tl.load(q_ptr + q_row[:, None] + d, mask=q_ok[:, None] & (d < D), other=0.0)
     head = tl.arange(0, H_PAD)[None, :]
-    w = tl.load(w_ptr + row.to(tl.int64)[:, None] * H + head, mask=row_ok[:, None] & (head < H), other=0.0)
+    w = tl.load(w_ptr + row.to(tl.int64)[:, None] * stride_w_row + head * stride_w_head,
+                mask=row_ok[:, None] & (head < H), other=0.0)
 
     out_rows = out_ptr + row.to(tl.int64)[None, :] * width
     span = tl.program_id(1) * (TILES * BLOCK_N)
     for tile_start in range(span, tl.minimum(span + TILES * BLOCK_N, width), BLOCK_N):
         col = tile_start + tl.arange(0, BLOCK_N)
-        position, exists = _key_positions(col, group, keys, width, blocks_ptr, table_width, MODE, BLOCK)
+        position, exists = _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE, BLOCK)
         needed = exists & (position >= lo_min) & (position < hi_max)  # what some row sees (and gaps between rows)
         logits = tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32)
         if tl.max(needed.to(tl.int32), axis=0) > 0:
-            key_rows = _key_storage_rows(position, needed, group, table_ptr, table_width, MODE, BLOCK)
-            S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_rows, q_ok, k_ptr, k_scale_ptr, key_rows, needed,
+            k_row, ks_row = _key_rows(position, needed, group, table_ptr, stride_table, stride_k_page, stride_k_slot,
+                                      stride_ks_page, stride_ks_slot, MODE, BLOCK)
+            S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row, needed,
                            FP4, D, BLOCK_D)
-            heads = tl.reshape(tl.maximum(S, 0.0), (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
+            relu = tl.where(S < 0.0, 0.0, S)  # NaN stays NaN (a 0xFF scale), as the reference's relu
+            heads = tl.reshape(relu, (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
             scores = tl.sum(heads, axis=2)
             if not FP4:
-                scores = scores * tl.load(k_scale_ptr + key_rows, mask=needed, other=0.0)[:, None]
+                scores = scores * tl.load(k_scale_ptr + ks_row, mask=needed, other=0.0)[:, None]
             p = position[:, None]
             visible = exists[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
             logits = tl.where(visible, scores, float("-inf"))
-        tl.store(out_rows + col[:, None], logits, mask=(col < width)[:, None] & row_ok[None, :])
+        if BF16:
+            logits = round_to_bf16(logits)  # the interpreter's cast truncates; rounded first, it is exact
+        tl.store(out_rows + col[:, None], logits.to(out_ptr.dtype.element_ty),
+                 mask=(col < width)[:, None] & row_ok[None, :])
 
 
 # ---------------------------------------------------------------- plans
 
 
-def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict) -> dict:
+def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict, lens_2d: bool = False,
+                        bf16: bool = False) -> dict:
     """Shape constants of one specialization; heads padded so that a dot's N side is >= 16."""
     rows_pad = triton.next_power_of_2(rows)
     return dict(H=indexer.heads, H_PAD=_heads_pad(indexer, rows),
                 D=indexer.dim, BLOCK_D=max(32, triton.next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
-                MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, BLOCK=block,
+                MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, BLOCK=block, LENS_2D=lens_2d, BF16=bf16,
                 BLOCK_N=config["block_n"], TILES=config["tiles"])
+
+
+def _query_strides(inputs: dict, rows_per_group: int) -> dict:
+    """(group, row, head) strides of q and q_scale: [M, H, ...] in groups of rows_per_group rows, or
+    [B, next_n, H, ...] with a group per sequence; and w's (row, head) strides."""
+    def strides(x):
+        if x is None:
+            return 0, 0, 0
+        if x.dim() == 4:
+            return x.stride(0), x.stride(1), x.stride(2)
+        return rows_per_group * x.stride(0), x.stride(0), x.stride(1)
+
+    (q_group, q_row, q_head), (qs_group, qs_row, qs_head) = strides(inputs["q"]), strides(inputs["q_scale"])
+    return dict(stride_q_group=q_group, stride_q_row=q_row, stride_q_head=q_head, stride_qs_group=qs_group,
+                stride_qs_row=qs_row, stride_qs_head=qs_head, stride_w_row=inputs["w"].stride(0),
+                stride_w_head=inputs["w"].stride(1))
+
+
+def _key_strides(k: torch.Tensor, k_scale: torch.Tensor) -> dict:
+    """(page, slot) strides of the keys and their scales: a flat key table [N, ...] (per position; no slot) or a
+    paged cache [blocks, block_size, ...]."""
+    paged = k.dim() == 3
+    return dict(stride_k_page=k.stride(0), stride_k_slot=k.stride(1) if paged else 0,
+                stride_ks_page=k_scale.stride(0), stride_ks_slot=k_scale.stride(1) if paged else 0)
 
 
 def _launch(groups: int, width: int, config: dict, args: dict) -> Launch:
@@ -176,29 +227,37 @@ def _launch(groups: int, width: int, config: dict, args: dict) -> Launch:
 
 
 def _unused_addressing() -> dict:
-    return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, table_width=0)
+    return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, stride_table=0)
+
+
+def _logits_dtype(problem) -> torch.dtype:
+    return torch.bfloat16 if problem.bf16_logits else torch.float32
 
 
 def plan_mqa_logits(problem, inputs: dict, config: dict):
     """Dense logits [M, N]: programs of block_m rows x a span of key tiles."""
     m, n = problem.rows, problem.keys
-    logits = torch.empty(m, n, dtype=torch.float32, device=inputs["q"].device)
+    logits = torch.empty(m, n, dtype=_logits_dtype(problem), device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
                 k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=logits, ks_ptr=inputs["ks"],
-                ke_ptr=inputs["ke"], rows=m, keys=n, width=n,
-                **_indexer_constexprs(problem.indexer, config["block_m"], DENSE.value, 1, config))
+                ke_ptr=inputs["ke"], rows=m, keys=n, width=n, **_query_strides(inputs, config["block_m"]),
+                **_key_strides(inputs["k"], inputs["k_scale"]),
+                **_indexer_constexprs(problem.indexer, config["block_m"], DENSE.value, 1, config,
+                                      bf16=problem.bf16_logits))
     return _launch(triton.cdiv(m, config["block_m"]), n, config, args), logits
 
 
 def plan_paged_mqa_logits(problem, inputs: dict, config: dict):
     """Decode logits [B * next_n, max_blocks * block_size]: a program per sequence x a span of positions."""
     rows, width = problem.batch * problem.next_n, problem.width
-    logits = torch.empty(rows, width, dtype=torch.float32, device=inputs["q"].device)
+    logits = torch.empty(rows, width, dtype=_logits_dtype(problem), device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
                 k_ptr=inputs["k_cache"], k_scale_ptr=inputs["k_scale"], out_ptr=logits,
-                table_ptr=inputs["block_table"], context_ptr=inputs["context_lens"], table_width=problem.max_blocks,
-                rows=rows, keys=0, width=width,
-                **_indexer_constexprs(problem.indexer, problem.next_n, PAGED.value, problem.block_size, config))
+                table_ptr=inputs["block_table"], context_ptr=inputs["context_lens"],
+                stride_table=inputs["block_table"].stride(0), rows=rows, keys=0, width=width,
+                **_query_strides(inputs, problem.next_n), **_key_strides(inputs["k_cache"], inputs["k_scale"]),
+                **_indexer_constexprs(problem.indexer, problem.next_n, PAGED.value, problem.block_size, config,
+                                      lens_2d=problem.lens_2d, bf16=problem.bf16_logits))
     return _launch(problem.batch, width, config, args), logits
 
 
@@ -208,8 +267,9 @@ def plan_sparse_scores(problem, inputs: dict, config: dict):
     scores = torch.empty(m, width, dtype=torch.float32, device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
                 k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=scores, ks_ptr=inputs["ks"],
-                ke_ptr=inputs["ke"], blocks_ptr=inputs["blocks"], table_width=problem.n_blocks,
-                rows=m, keys=problem.keys, width=width,
+                ke_ptr=inputs["ke"], blocks_ptr=inputs["blocks"], stride_table=inputs["blocks"].stride(0),
+                rows=m, keys=problem.keys, width=width, **_query_strides(inputs, 1),
+                **_key_strides(inputs["k"], inputs["k_scale"]),
                 **_indexer_constexprs(problem.indexer, 1, SPARSE.value, problem.block, config))
     return _launch(m, width, config, args), scores
 

@@ -22,6 +22,11 @@ Tile plan of the top-k stage: a program owns BLOCK_M rows and walks their column
 Optional per row: starts/ends (default the whole row), -inf and NaN not eligible (drop_neg_inf),
 and an index map for the sparse path (column c -> blocks[m, c // block] * block + c % block).
 
+With sorted=True a second launch puts the chosen positions in rank order (rank_order_kernel): the
+rank of a chosen key is the number of chosen keys above it plus the equal ones at lower positions.
+
+Logits may be fp32 or bf16 and row-strided (unit stride along the row).
+
 Candidate blocks run two launches: block scores (a program per TILE_BLOCKS blocks of the flattened
 [rows, blocks] scores, each block a row of a [TILE_BLOCKS, block] tile: the max order key (+0.0 above -0.0) of its
 positions below row_end, NaN as -inf; the block holding row_end - 1 is +inf), then the top-k stage
@@ -61,19 +66,19 @@ def _tile_keys(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N
     """Columns [1, BLOCK_N] of tile `tile`, the rows' order keys there and which are eligible, [BLOCK_M, BLOCK_N]."""
     col = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     eligible = (col >= start[:, None]) & (col < end[:, None])
-    x = tl.load(row_values[:, None] + col, mask=eligible, other=0.0)
+    x = tl.load(row_values[:, None] + col, mask=eligible, other=0.0).to(tl.float32)  # bf16 logits: exact in fp32
     if DROP_NEG_INF:
         eligible = eligible & (x > float("-inf"))  # false for NaN too
     return col, _order_key(x, NAN_KEY), eligible
 
 
 @triton.jit
-def topk_kernel(values_ptr, rows, width, starts_ptr, ends_ptr, blocks_ptr, out_ptr, k,
+def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, blocks_ptr, stride_blocks, out_ptr, k,
                 DROP_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = row < rows
     row = row.to(tl.int64)
-    row_values = values_ptr + row * width
+    row_values = values_ptr + row * stride_row
     start = tl.zeros((BLOCK_M,), tl.int32)
     if starts_ptr is not None:
         start = tl.load(starts_ptr + row, mask=row_ok, other=0)
@@ -121,7 +126,7 @@ def topk_kernel(values_ptr, rows, width, starts_ptr, ends_ptr, blocks_ptr, out_p
         slot = taken[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
         index = col
         if blocks_ptr is not None:
-            block_id = tl.load(blocks_ptr + row[:, None] * (width // BLOCK) + col // BLOCK, mask=take, other=0)
+            block_id = tl.load(blocks_ptr + row[:, None] * stride_blocks + col // BLOCK, mask=take, other=0)
             index = block_id * BLOCK + col % BLOCK
         tl.store(out_row + slot, index, mask=take)
         taken += tl.sum(take.to(tl.int32), axis=1)
@@ -135,7 +140,31 @@ def topk_kernel(values_ptr, rows, width, starts_ptr, ends_ptr, blocks_ptr, out_p
 
 
 @triton.jit
-def block_max_kernel(logits_ptr, width, row_end_ptr, scores_ptr, n_scores, total_scores,
+def rank_order_kernel(values_ptr, stride_row, chosen_ptr, out_ptr, k, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The chosen positions of a row (ascending, then -1) in rank order: entry i goes to output slot
+    #{j: key_j > key_i} + #{j < i: key_j == key_i} (equal values keep their position order); -1 padding stays.
+
+    A program per row compares [BLOCK_I, BLOCK_J] tiles of the row's chosen keys: O(k^2) compares, all parallel.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    row_values = values_ptr + row * stride_row
+    row_chosen = chosen_ptr + row * k
+    for i0 in range(0, k, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        pos_i = tl.load(row_chosen + i, mask=i < k, other=-1)
+        key_i = _order_key(tl.load(row_values + pos_i, mask=pos_i >= 0, other=0.0).to(tl.float32), NAN_KEY)[:, None]
+        rank = tl.zeros((BLOCK_I,), tl.int32)
+        for j0 in range(0, k, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            pos_j = tl.load(row_chosen + j, mask=j < k, other=-1)
+            key_j = _order_key(tl.load(row_values + pos_j, mask=pos_j >= 0, other=0.0).to(tl.float32), NAN_KEY)[None, :]
+            ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
+            rank += tl.sum((ahead & (pos_j >= 0)[None, :]).to(tl.int32), axis=1)
+        tl.store(out_ptr + row * k + tl.where(pos_i >= 0, rank, i), pos_i, mask=i < k)
+
+
+@triton.jit
+def block_max_kernel(logits_ptr, stride_row, row_end_ptr, scores_ptr, n_scores, total_scores,
                      BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr):
     score = tl.program_id(0).to(tl.int64) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # flat [rows, n_scores] index
     score_ok = score < total_scores
@@ -144,8 +173,8 @@ def block_max_kernel(logits_ptr, width, row_end_ptr, scores_ptr, n_scores, total
     end = tl.load(row_end_ptr + row, mask=score_ok, other=0)
     slot = tl.arange(0, BLOCK_PAD)[None, :]
     position = block_id[:, None] * BLOCK + slot
-    x = tl.load(logits_ptr + row[:, None] * width + position, mask=(slot < BLOCK) & (position < end[:, None]),
-                other=float("-inf"))
+    x = tl.load(logits_ptr + row[:, None] * stride_row + position, mask=(slot < BLOCK) & (position < end[:, None]),
+                other=float("-inf")).to(tl.float32)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 as +0.0, as the reference's maximum
     best = _flip_negative(tl.max(_order_key(x, NEG_INF_KEY), axis=1)).to(tl.float32, bitcast=True)
     best = tl.where((end > 0) & (block_id == (end - 1) // BLOCK), float("inf"), best)
@@ -156,16 +185,17 @@ def block_max_kernel(logits_ptr, width, row_end_ptr, scores_ptr, n_scores, total
 
 
 def topk_launch(values, ends, k, config, *, starts=None, drop_neg_inf=False, blocks=None, block=1):
-    """The top-k stage over values [M, W] fp32: (Launch, out int32 [M, k]).
+    """The top-k stage over values [M, W] (fp32 or bf16, row-strided): (Launch, out int32 [M, k]), ascending positions.
 
     ends/starts [M] int32 or None (the whole row); drop_neg_inf: -inf and NaN are not eligible;
-    blocks [M, W // block] int32 or None: emitted column c becomes blocks[m, c // block] * block + c % block.
+    blocks [M, W // block] int32 (row-strided) or None: emitted column c becomes blocks[m, c // block] * block + c % block.
     """
     rows, width = values.shape
     out = torch.empty((rows, k), dtype=torch.int32, device=values.device)
     launch = Launch(
         topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
-        args=dict(values_ptr=values, rows=rows, width=width, starts_ptr=starts, ends_ptr=ends, blocks_ptr=blocks,
+        args=dict(values_ptr=values, stride_row=values.stride(0), rows=rows, width=width, starts_ptr=starts,
+                  ends_ptr=ends, blocks_ptr=blocks, stride_blocks=0 if blocks is None else blocks.stride(0),
                   out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf, BLOCK=block, BLOCK_M=config["block_m"],
                   BLOCK_N=config["block_n"]),
         num_warps=config["num_warps"],
@@ -173,8 +203,24 @@ def topk_launch(values, ends, k, config, *, starts=None, drop_neg_inf=False, blo
     return launch, out
 
 
+def rank_order_launch(values, chosen, config):
+    """The rank-order stage: (Launch, out int32 [M, k]) holding chosen's positions, the largest value first."""
+    rows, k = chosen.shape
+    out = torch.empty((rows, k), dtype=torch.int32, device=values.device)
+    block_i, block_j = _rank_tiles(k, config)
+    launch = Launch(rank_order_kernel, grid=(rows,),
+                    args=dict(values_ptr=values, stride_row=values.stride(0), chosen_ptr=chosen, out_ptr=out, k=k,
+                              BLOCK_I=block_i, BLOCK_J=block_j),
+                    num_warps=config["num_warps"])
+    return launch, out
+
+
 def plan_topk(problem, inputs, config):
-    return topk_launch(inputs["logits"], inputs["ends"], inputs["k"], config, starts=inputs["starts"])
+    select, chosen = topk_launch(inputs["logits"], inputs["ends"], inputs["k"], config, starts=inputs["starts"])
+    if not problem.by_score:
+        return select, chosen
+    order, out = rank_order_launch(inputs["logits"], chosen, config)
+    return (select, order), out
 
 
 def plan_candidate_blocks(problem, inputs, config):
@@ -183,7 +229,7 @@ def plan_candidate_blocks(problem, inputs, config):
     tile = config["tile_blocks"]
     block_max = Launch(
         block_max_kernel, grid=(triton.cdiv(problem.rows * problem.blocks, tile),),
-        args=dict(logits_ptr=logits, width=problem.positions, row_end_ptr=inputs["row_end"], scores_ptr=scores,
+        args=dict(logits_ptr=logits, stride_row=logits.stride(0), row_end_ptr=inputs["row_end"], scores_ptr=scores,
                   n_scores=problem.blocks, total_scores=problem.rows * problem.blocks, BLOCK=block,
                   BLOCK_PAD=triton.next_power_of_2(block), TILE_BLOCKS=tile),
         num_warps=config["num_warps"],
@@ -239,6 +285,17 @@ BLOCKS_SPACE = Space(
 )
 
 INTERPRETED_TILE = 131072  # elements per tile op under the interpreter
+
+
+def _rank_tiles(k: int, config) -> tuple[int, int]:
+    """(BLOCK_I, BLOCK_J) of the rank-order stage: its [BLOCK_I, BLOCK_J] compare tile at the top-k tile's values per
+    thread (under the interpreter, up to 1024 x 1024, Triton's largest tensor: each tl op costs about the same
+    whatever its size)."""
+    k_pad = triton.next_power_of_2(k)
+    if flashkern.triton_interpreted():
+        return min(k_pad, 1024), min(k_pad, 1024)
+    block_j = min(k_pad, 256)
+    return max(1, min(k_pad, _values_budget(config) * _threads(config) // block_j)), block_j
 
 
 def topk_default(problem) -> dict:
