@@ -34,7 +34,9 @@ step tests 90 "$py" -m pytest tests/test_moe_route.py tests/test_codecs.py tests
     -p no:cacheprovider --junitxml="$out/tests.xml"
 step tests-indexer 75 "$py" -m pytest tests/test_indexer.py -q -p no:cacheprovider --junitxml="$out/tests-indexer.xml"
 step tests-mhc 75 "$py" -m pytest tests/test_mhc.py -q -p no:cacheprovider --junitxml="$out/tests-mhc.xml"
-for op in mqa_logits mhc_pre; do
+step tests-layouts-compat 75 "$py" -m pytest tests/test_layouts.py tests/test_vllm_routing.py tests/test_vllm_topk.py \
+    tests/test_vllm_mhc.py tests/test_deep_gemm.py -q -p no:cacheprovider --junitxml="$out/tests-layouts-compat.xml"
+for op in mqa_logits; do
     step "tune-$op" 45 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
     step "table-$op" 15 "$py" -m flashkern table "$op" --export "$out/table-$op.json"
     step "report-$op" 15 "$py" -m flashkern report "$op" --plot "$out/$op.png"

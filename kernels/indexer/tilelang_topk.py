@@ -111,6 +111,8 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
             mine = fl.fragment((threads,), "int32")  # a thread's packed count
             above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
             equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
+            tile_keys = fl.fragment((tile,), "int32")  # the keys of a tile's positions, each computed once
+            thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
 
             start = T.alloc_var("int32", Starts[m] if has_starts else 0)
             end = T.alloc_var("int32", Ends[m])
@@ -136,9 +138,9 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
                         for i in fl.parallel(tile):
                             n = start + t * tile + i
                             if n < end:
-                                key = _key(value(Values[m, n]))
-                                if eligible(key, ((key ^ SIGN_BIT) & fixed) == prefix):
-                                    T.atomic_add(hist[((key ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
+                                tile_keys[i] = _key(value(Values[m, n]))
+                                if eligible(tile_keys[i], ((tile_keys[i] ^ SIGN_BIT) & fixed) == prefix):
+                                    T.atomic_add(hist[((tile_keys[i] ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
                     suffix_sums(hist)
                     for b in fl.parallel(BINS):  # the one bin where the count from the top reaches `wanted`
                         if (hist[b] >= wanted) & (hist[b + 1] < wanted):
@@ -176,10 +178,10 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
                         for j in T.serial(items):
                             n = start + t * tile + th * items + j
                             if n < end:
-                                key = _key(value(Values[m, n]))
-                                if eligible(key, key > thr):
+                                thread_key[th] = _key(value(Values[m, n]))
+                                if eligible(thread_key[th], thread_key[th] > thr):
                                     mine[th] = mine[th] + 1
-                                elif eligible(key, key == thr):
+                                elif eligible(thread_key[th], thread_key[th] == thr):
                                     mine[th] = mine[th] + EQUAL_UNIT
                         counts[th] = mine[th]
                     prefix_sums(counts)
@@ -189,11 +191,11 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
                         for j in T.serial(items):
                             n = start + t * tile + th * items + j
                             if n < end:
-                                key = _key(value(Values[m, n]))
-                                if eligible(key, key > thr):
+                                thread_key[th] = _key(value(Values[m, n]))
+                                if eligible(thread_key[th], thread_key[th] > thr):
                                     Out[m, above_at[th] + T.min(equal_at[th], budget)] = mapped(Blocks, m, n)
                                     above_at[th] = above_at[th] + 1
-                                elif eligible(key, key == thr):
+                                elif eligible(thread_key[th], thread_key[th] == thr):
                                     if equal_at[th] < budget:
                                         Out[m, above_at[th] + equal_at[th]] = mapped(Blocks, m, n)
                                     equal_at[th] = equal_at[th] + 1
