@@ -244,6 +244,19 @@ WIDE_INDEXER_SHAPES = {  # the 64 x 128 indexer (V3.2-style), one format each
 
 
 @pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("lens_2d", (False, True), ids=("lens_1d", "lens_2d"))
+def test_mtp_tokens_split_over_programs(backend, lens_2d):
+    """next_n 6 tokens of a sequence scored 4 and then 2 per program (block_rows 4), and one per program, as the
+    defaults do for 64 heads (their scores would not fit the registers together)."""
+    op = OPS["paged_mqa_logits"]
+    problem = PagedProblem(3, 4, 6, 64, Indexer(64, 128, "mxfp4"), lens_2d=lens_2d)
+    inputs = op.make_inputs(problem, DEVICE, seed=11)
+    default = op.implementation(backend).default_config(op.check(inputs))
+    for block_rows in (4, 1):
+        run_and_check(op, inputs, backend, {**default, "block_rows": block_rows})
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", sorted(WIDE_INDEXER_SHAPES))
 def test_64_heads_match_reference(name, backend):
     op = OPS[name]

@@ -285,11 +285,18 @@ def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour)
 # ---------------------------------------------------------------- paged_mqa_logits (decode)
 
 
+def paged_rows(problem: PagedProblem, config: dict) -> int:
+    """Query tokens of a sequence per block: config["block_rows"], at most next_n."""
+    return min(config["block_rows"], problem.next_n)
+
+
 def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
-    """logits [B * next_n, max_blocks * bs] over a paged cache [blocks, bs, D]."""
-    BN, NEXT, BS = config["block_n"], problem.next_n, problem.block_size
+    """logits [B * next_n, max_blocks * bs] over a paged cache [blocks, bs, D]; a block scores `block_rows` tokens of
+    a sequence (token chunk `chunk` of ceil(next_n / block_rows))."""
+    BN, NEXT, BS, RW = config["block_n"], problem.next_n, problem.block_size, paged_rows(problem, config)
+    CHUNKS = -(-NEXT // RW)
     st = _Storage(problem.indexer, fl, next_n=NEXT, block_size=BS, bf16_logits=problem.bf16_logits)
-    tile = _tile_macros(st, NEXT, BN)
+    tile = _tile_macros(st, RW, BN)
     H = st.heads
     B, MB, NB = T.dynamic("B"), T.dynamic("max_blocks"), T.dynamic("cache_blocks")
     R, WIDTH = T.dynamic("rows"), T.dynamic("width")  # B * next_n, MB * bs
@@ -305,23 +312,24 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
         Lens: T.Tensor((B, NEXT) if problem.lens_2d else (B,), "int32"),
         Out: st.out_tensor((R, WIDTH)),
     ):
-        with T.Kernel(T.ceildiv(WIDTH, BN), B, threads=config["threads"]) as (bx, b):
-            key_row, key_pos, bounds = _addressing(fl, NEXT, BN)
-            for j in fl.parallel(NEXT):
+        with T.Kernel(T.ceildiv(WIDTH, BN), B * CHUNKS, threads=config["threads"]) as (bx, by):
+            b, chunk = by // CHUNKS, by % CHUNKS
+            key_row, key_pos, bounds = _addressing(fl, RW, BN)
+            for j in fl.parallel(RW):  # token chunk * RW + j of sequence b (none past next_n: an empty range)
                 bounds[j, 0] = 0
                 if problem.lens_2d:  # per token: row b * next_n + j sees [0, context_lens[b, j])
-                    bounds[j, 1] = Lens[b, j]
+                    bounds[j, 1] = T.if_then_else(chunk * RW + j < NEXT, Lens[b, T.min(chunk * RW + j, NEXT - 1)], 0)
                 else:  # per sequence: token j sees [0, context_lens[b] - next_n + j + 1)
-                    bounds[j, 1] = Lens[b] - NEXT + j + 1
-            seen = T.alloc_var("int32", init=0)  # positions some token sees
-            for j in T.serial(NEXT):
+                    bounds[j, 1] = T.if_then_else(chunk * RW + j < NEXT, Lens[b] - NEXT + chunk * RW + j + 1, 0)
+            seen = T.alloc_var("int32", init=0)  # positions some token of the block sees
+            for j in T.serial(RW):
                 seen = T.max(seen, bounds[j, 1])
             for n in fl.parallel(BN):
                 key_pos[n] = bx * BN + n
                 key_row[n] = T.if_then_else(  # table entries past the context may be garbage: never follow them
                     bx * BN + n < seen, Table[b, T.min((bx * BN + n) // BS, MB - 1)], 0) * BS + (bx * BN + n) % BS
-            tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, b * NEXT, R, bx * BN, bx * BN + BN - 1,
-                 bx * BN, WIDTH, Out)
+            tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, b * NEXT + chunk * RW, b * NEXT + NEXT,
+                 bx * BN, bx * BN + BN - 1, bx * BN, WIDTH, Out)
 
     return paged_mqa_logits
 
@@ -405,9 +413,11 @@ LOGITS_SPACE = Space(
     limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, c["block_m"], c) <= 128},
 )
 PAGED_SPACE = Space(
-    params={"block_n": (64, 128), "threads": (128, 256)},
+    params={"block_n": (64, 128), "block_rows": (1, 2, 4, 8), "threads": (128, 256)},
+    constraints={"block_rows < 2 x next_n (more would repeat a smaller config)":
+                 lambda p, c: c["block_rows"] < 2 * p.next_n},
     gpu_only=("threads",),
-    limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, p.next_n, c) <= 128},
+    limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, paged_rows(p, c), c) <= 128},
 )
 SPARSE_SPACE = Space(
     params={"block_n": (64, 128), "threads": (128, 256)},
@@ -422,10 +432,15 @@ def logits_default(problem: LogitsProblem) -> dict:
 
 
 def paged_default(problem: PagedProblem) -> dict:
-    """128 keys a block; two warpgroups when the next_n rows' scores would not fit in one's registers; the smallest
-    tile when none fits (next_n x padded heads above 256 for fp8, 128 for mxfp4)."""
-    candidates = ({"block_n": 128, "threads": 128}, {"block_n": 128, "threads": 256}, {"block_n": 64, "threads": 256})
-    return next((c for c in candidates if not PAGED_SPACE.violations(problem, c)), candidates[-1])
+    """128 keys a block; one warpgroup, else two, else 64-key tiles on two, for a sequence's next_n tokens in one
+    block, or for a power of two fewer where all would not fit in the registers (MTP with 64 heads)."""
+    block_rows = min(8, 1 << (problem.next_n - 1).bit_length())  # next_n rounded up to a power of two
+    while True:
+        for tile in ({"block_n": 128, "threads": 128}, {"block_n": 128, "threads": 256}, {"block_n": 64, "threads": 256}):
+            config = {**tile, "block_rows": block_rows}
+            if block_rows == 1 or not PAGED_SPACE.violations(problem, config):
+                return config
+        block_rows //= 2
 
 
 def sparse_default(problem: SparseProblem) -> dict:

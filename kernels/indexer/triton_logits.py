@@ -5,7 +5,7 @@
     and -inf outside the positions row m may see.
 
 Tile plan: a program owns ROWS query rows that see the same keys (BLOCK_M rows of the dense
-form, the next_n tokens of one sequence in the paged form, one row in the sparse form) and a
+form, block_rows of the next_n tokens of one sequence in the paged form, one row in the sparse form) and a
 span of TILES x BLOCK_N output columns. Its q tile [ROWS x H, D] (heads padded to H_PAD) stays
 put while it walks the span one key tile at a time:
   1. column -> key position (dense and paged: the column itself; sparse: candidate block
@@ -121,12 +121,16 @@ def indexer_logits_kernel(
     stride_q_group, stride_q_row, stride_q_head, stride_qs_group, stride_qs_row, stride_qs_head,
     stride_w_row, stride_w_head, stride_k_page, stride_k_slot, stride_ks_page, stride_ks_slot, stride_table,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constexpr,
-    MODE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     LENS_2D: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
-    group = tl.program_id(0)  # dense: rows group*ROWS ..; paged: sequence `group`; sparse: row `group`
-    first = group * ROWS
-    end = tl.minimum(first + ROWS, rows)
+    # a program owns ROWS rows of a group of GROUP_ROWS (dense: block_m rows, ROWS = GROUP_ROWS; paged: the next_n
+    # tokens of sequence `group`, ROWS of them per program; sparse: row `group`)
+    CHUNKS: tl.constexpr = (GROUP_ROWS + ROWS - 1) // ROWS
+    group = tl.program_id(0) // CHUNKS
+    group_first = group * GROUP_ROWS
+    first = group_first + (tl.program_id(0) % CHUNKS) * ROWS
+    end = tl.minimum(tl.minimum(first + ROWS, group_first + GROUP_ROWS), rows)
     # the program's query rows and the positions each sees: lo <= position < hi
     row = first + tl.arange(0, ROWS_PAD)
     row_ok = row < end
@@ -135,7 +139,7 @@ def indexer_logits_kernel(
         if LENS_2D:  # [B, next_n]: row b * next_n + j sees [0, context_lens[b, j])
             hi = tl.load(context_ptr + row, mask=row_ok, other=0)
         else:  # [B]: token j sees [0, context_lens[b] - next_n + j + 1)
-            hi = tl.where(row_ok, tl.load(context_ptr + group) - ROWS + 1 + (row - first), 0)
+            hi = tl.where(row_ok, tl.load(context_ptr + group) - GROUP_ROWS + 1 + (row - group_first), 0)
     else:
         lo = tl.load(ks_ptr + row, mask=row_ok, other=0)
         hi = tl.load(ke_ptr + row, mask=row_ok, other=0)
@@ -146,9 +150,10 @@ def indexer_logits_kernel(
     slot = tl.arange(0, ROWS_PAD * H_PAD)
     slot_row, slot_head = slot // H_PAD, slot % H_PAD
     q_ok = (first + slot_row < end) & (slot_head < H)
+    group_row = (first - group_first) + slot_row  # the slot's row within its group
     group_64 = group.to(tl.int64)
-    q_row = group_64 * stride_q_group + slot_row * stride_q_row + slot_head * stride_q_head
-    qs_row = group_64 * stride_qs_group + slot_row * stride_qs_row + slot_head * stride_qs_head
+    q_row = group_64 * stride_q_group + group_row * stride_q_row + slot_head * stride_q_head
+    qs_row = group_64 * stride_qs_group + group_row * stride_qs_row + slot_head * stride_qs_head
     q_tile = None
     if not FP4:
         d = tl.arange(0, BLOCK_D)[None, :]
@@ -187,13 +192,14 @@ def indexer_logits_kernel(
 
 
 def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict, lens_2d: bool = False,
-                        bf16: bool = False) -> dict:
-    """Shape constants of one specialization; heads padded so that a dot's N side is >= 16."""
+                        bf16: bool = False, group_rows: int | None = None) -> dict:
+    """Shape constants of one specialization (programs of `rows` rows of groups of group_rows, default rows);
+    heads padded so that a dot's N side is >= 16."""
     rows_pad = triton.next_power_of_2(rows)
     return dict(H=indexer.heads, H_PAD=_heads_pad(indexer, rows),
                 D=indexer.dim, BLOCK_D=max(32, triton.next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
-                MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, BLOCK=block, LENS_2D=lens_2d, BF16=bf16,
-                BLOCK_N=config["block_n"], TILES=config["tiles"])
+                MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, GROUP_ROWS=group_rows or rows, BLOCK=block,
+                LENS_2D=lens_2d, BF16=bf16, BLOCK_N=config["block_n"], TILES=config["tiles"])
 
 
 def _query_strides(inputs: dict, rows_per_group: int) -> dict:
@@ -248,7 +254,8 @@ def plan_mqa_logits(problem, inputs: dict, config: dict):
 
 
 def plan_paged_mqa_logits(problem, inputs: dict, config: dict):
-    """Decode logits [B * next_n, max_blocks * block_size]: a program per sequence x a span of positions."""
+    """Decode logits [B * next_n, max_blocks * block_size]: a program per block_rows tokens of a sequence x a span of
+    positions."""
     rows, width = problem.batch * problem.next_n, problem.width
     logits = torch.empty(rows, width, dtype=_logits_dtype(problem), device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
@@ -256,9 +263,11 @@ def plan_paged_mqa_logits(problem, inputs: dict, config: dict):
                 table_ptr=inputs["block_table"], context_ptr=inputs["context_lens"],
                 stride_table=inputs["block_table"].stride(0), rows=rows, keys=0, width=width,
                 **_query_strides(inputs, problem.next_n), **_key_strides(inputs["k_cache"], inputs["k_scale"]),
-                **_indexer_constexprs(problem.indexer, problem.next_n, PAGED.value, problem.block_size, config,
-                                      lens_2d=problem.lens_2d, bf16=problem.bf16_logits))
-    return _launch(problem.batch, width, config, args), logits
+                **_indexer_constexprs(problem.indexer, paged_rows(problem, config), PAGED.value, problem.block_size,
+                                      config, lens_2d=problem.lens_2d, bf16=problem.bf16_logits,
+                                      group_rows=problem.next_n))
+    programs = problem.batch * triton.cdiv(problem.next_n, paged_rows(problem, config))
+    return _launch(programs, width, config, args), logits
 
 
 def plan_sparse_scores(problem, inputs: dict, config: dict):
@@ -310,13 +319,13 @@ def _operand_bytes(indexer, rows: int, config: dict) -> int:
     return (config["block_n"] + _slots(indexer, rows)) * width
 
 
-def _space(params: dict, rows_of) -> Space:
+def _space(params: dict, rows_of, constraints: dict | None = None) -> Space:
     """A space whose programs own rows_of(problem, config) query rows."""
     return Space(
         params={**params, "tiles": TILES, "num_warps": NUM_WARPS},
         gpu_only=("num_warps",),
         constraints={"block_n x rows x heads <= 2^20 (Triton's largest tensor)":
-                     lambda p, c: c["block_n"] * _slots(p.indexer, rows_of(p, c)) <= MAX_NUMEL},
+                     lambda p, c: c["block_n"] * _slots(p.indexer, rows_of(p, c)) <= MAX_NUMEL, **(constraints or {})},
         limits={"block_n x rows x heads / threads <= 128 (fp8) or 32 (mxfp4) (registers)":
                 lambda p, c: _values_per_thread(p.indexer, rows_of(p, c), c) <= VALUES_PER_THREAD[p.indexer.fmt],
                 "(block_n + rows x heads) x D (fp8) or x 32 (mxfp4) bytes <= 227 KiB (shared memory)":
@@ -367,16 +376,33 @@ def logits_default(problem) -> dict:
 
 
 WIDE_KEY_TILES = {"block_n": (64, 128, 256, 512, 1024)}
-PAGED_SPACE = _space(WIDE_KEY_TILES, lambda p, c: p.next_n)
+
+
+def paged_rows(problem, config) -> int:
+    """Query tokens of a sequence per program: config["block_rows"], at most next_n."""
+    return min(config["block_rows"], problem.next_n)
+
+
+PAGED_SPACE = _space({**WIDE_KEY_TILES, "block_rows": (1, 2, 4, 8)}, paged_rows, constraints={
+    "block_rows < 2 x next_n (more would repeat a smaller config)": lambda p, c: c["block_rows"] < 2 * p.next_n})
 
 
 def paged_default(problem) -> dict:
-    """A program per sequence; GPU: 8 warps, key tiles as wide as S's default values per thread allow."""
+    """Programs of a sequence's next_n tokens, or of a power of two fewer where all would not fit S's default values
+    per thread at 64-key tiles (MTP with 64 heads); GPU: 8 warps, key tiles as wide as then allowed."""
     if flashkern.triton_interpreted():
         block_n = _interpreted_block_n(problem.width, 1024, _slots(problem.indexer, problem.next_n))
-        return {"block_n": block_n, "tiles": 64, "num_warps": 8}
-    block_n = _gpu_block_n(problem.indexer, problem.next_n)
-    return {"block_n": block_n, "num_warps": 8, "tiles": _tiles(problem.batch, problem.width, block_n)}
+        return {"block_n": block_n, "block_rows": triton.next_power_of_2(problem.next_n), "tiles": 64, "num_warps": 8}
+    block_rows = triton.next_power_of_2(problem.next_n)
+    while block_rows > 1 and (_values_per_thread(problem.indexer, min(block_rows, problem.next_n),
+                                                 {"block_n": 64, "num_warps": 8})
+                              > DEFAULT_VALUES_PER_THREAD[problem.indexer.fmt]):
+        block_rows //= 2
+    rows = min(block_rows, problem.next_n)
+    block_n = _gpu_block_n(problem.indexer, rows)
+    programs = problem.batch * triton.cdiv(problem.next_n, rows)
+    return {"block_n": block_n, "block_rows": block_rows, "num_warps": 8,
+            "tiles": _tiles(programs, problem.width, block_n)}
 
 
 SPARSE_SPACE = _space(WIDE_KEY_TILES, lambda p, c: 1)
