@@ -31,6 +31,9 @@ __all__ = ["CandidateProblem", "Indexer", "LogitsProblem", "PagedProblem", "Spar
 
 # ---------------------------------------------------------------- argument checks
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)  # of logits the scoring ops write and the selection ops read
+MAX_NEXT_N = 8  # query tokens per sequence in decode (MTP)
+
 
 def _check_scale_bytes(inputs: dict, name: str, lead: tuple, blocks: int, device) -> None:
     """A ue8m0 scale argument: uint8 [*lead, blocks], or DeepGEMM's packed int32 words [*lead, ceil(blocks / 4)],
@@ -101,8 +104,6 @@ def _check_logits_dtype(inputs: dict) -> torch.dtype:
     return checks.choice("logits_dtype", inputs["logits_dtype"], LOGITS_DTYPES)
 
 
-MAX_NEXT_N = 8  # query tokens per sequence in decode (MTP)
-
 
 def check_paged(inputs: dict) -> PagedProblem:
     indexer, device = _check_qk(inputs, (None, None), (None, None), k_name="k_cache")
@@ -132,9 +133,6 @@ def check_paged(inputs: dict) -> PagedProblem:
 
 def _check_k(k, *, name: str = "k") -> int:
     return checks.integer(name, k, low=1, high=1 << 16)
-
-
-LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_topk(inputs: dict) -> TopkProblem:
