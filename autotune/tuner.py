@@ -91,7 +91,8 @@ def _build(op_name: str, impl_name: str, problem, config: dict, device: str):
     try:
         report = None
         if info.kind == "cuda" and info.capability == (9, 0):
-            report = impl.build_sm90(problem, op.make_inputs(problem, "cpu", 0), config)
+            inputs = op.make_inputs(problem, "cpu", 0)
+            report = impl.build_sm90(problem, inputs, config, op.empty_outputs(problem, inputs))
             if report.spills:
                 return st.PRUNED, f"spills {report.spills} B at {report.registers} registers (sm_90a)", report
         if impl_name == "tilelang":
@@ -188,7 +189,8 @@ class Tuner:
         if cand.impl == "reference":
             return lambda: op.reference(**inputs)
         impl = op.implementation(cand.impl)
-        return lambda: impl.run(problem, inputs, cand.config)
+        out = op.empty_outputs(problem, inputs)  # written in full by every run
+        return lambda: impl.run(problem, inputs, cand.config, out)
 
     def _measure(self, op, problem, inputs, expected, cand: Candidate, key: st.Key) -> st.Result:
         run = self._run(op, problem, inputs, cand)

@@ -32,3 +32,6 @@ _TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 def triton_interpreted() -> bool:
     """True when this process's Triton kernels run under the interpreter (decided at import)."""
     return _TRITON_INTERPRETED
+
+
+from flashkern.checks import checked, checked_mode  # noqa: E402  (after the Triton mode is decided)

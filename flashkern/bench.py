@@ -1,6 +1,7 @@
 """`flashkern bench`: time the reference and every implementation at a preset's shapes.
 
-Every implementation's output is checked against the reference before it is timed, and the
+Every implementation's output is checked against the reference before it is timed (a call of
+its entry point in checked mode, so the inputs' index values are checked too), and the
 bytes the operator must move (its cost model) turn times into GB/s. Interpreted Triton is
 timed too, but it is a correctness path, not a speed contender.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashkern import checks
 from flashkern import device as devices
 from flashkern import registry
 from flashkern.autotune.timing import Timing, measure
@@ -53,11 +55,13 @@ def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5,
                     rows.append(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
                     continue
                 config = impl.default_config(problem)
-                try:
-                    op.compare(inputs, expected, impl.run(problem, inputs, config))
+                try:  # through the entry point: argument and (checked mode) value checks on the inputs
+                    with checks.checked():
+                        op.compare(inputs, expected, op.entry(**inputs, backend=impl.name, config=config))
                 except AssertionError as exc:
                     rows.append(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
                     continue
-                timing = measure(lambda: impl.run(problem, inputs, config), device, budget=budget)
+                out = op.empty_outputs(problem, inputs)
+                timing = measure(lambda: impl.run(problem, inputs, config, out), device, budget=budget)
                 rows.append(BenchRow(name, problem, impl.name, timing, moved, "ok"))
     return rows

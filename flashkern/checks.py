@@ -1,14 +1,42 @@
 """Argument checks for operator entry points: each error names the argument and what was expected.
 
-They run before any kernel is launched (or compiled).
+They run before any kernel is launched (or compiled). Two kinds:
+  metadata checks (dtype, shape, device, strides, Python arguments): always, without reading tensor data;
+  value checks (index ranges, ks <= ke, block table entries): only in checked mode, because reading a
+    tensor's values on the host is a device synchronization (tens of microseconds per call on a GPU) and
+    breaks CUDA-graph capture. Without them every kernel stays memory-safe: an out-of-range index counts
+    as padding (each operator's docstring says what it yields).
+Checked mode is off by default; FLASHKERN_CHECKED=1 in the environment turns it on for the process (the
+test suite does), `with flashkern.checked():` for a block (`checked(False)` turns it off).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import os
 from typing import Sequence
 
 import torch
+
+_CHECKED = contextvars.ContextVar("flashkern_checked",
+                                  default=os.environ.get("FLASHKERN_CHECKED", "0") not in ("", "0"))
+
+
+def checked_mode() -> bool:
+    """True when value checks run (see the module docstring)."""
+    return _CHECKED.get()
+
+
+@contextlib.contextmanager
+def checked(enabled: bool = True):
+    """Run value checks (index ranges, table entries) on every call inside the block, or not (enabled=False)."""
+    token = _CHECKED.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
 
 
 def tensor(name: str, value, *, dtype: torch.dtype | Sequence[torch.dtype], shape: Sequence[int | None],
@@ -44,8 +72,9 @@ def optional_tensor(name: str, value, **expected) -> torch.Tensor | None:
 
 
 def integer(name: str, value, *, low: int | None = None, high: int | None = None, why=None) -> int:
-    """An int in [low, high]; `why` (a string, or a callable giving one) explains the bound in the error."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int in [low, high]; `why` (a string, or a callable giving one) explains the bound in the error.
+    A symbolic size (torch.SymInt, while torch.compile traces with dynamic shapes) counts as an int."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"

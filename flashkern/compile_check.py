@@ -79,7 +79,7 @@ def build(job: BuildJob) -> BuildResult:
         return BuildResult(job, config, None, 0.0, "nvcc not found", skipped=True)
     try:
         inputs = op.make_inputs(job.problem, "cpu", 0)
-        report = impl.build_sm90(job.problem, inputs, config)
+        report = impl.build_sm90(job.problem, inputs, config, op.empty_outputs(job.problem, inputs))
         return BuildResult(job, config, report, time.perf_counter() - start)
     except Exception as exc:  # a failed build is a result to report, not a crash of the check
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -14,6 +14,10 @@ backend="auto" runs, in this order:
   3. the reference when no implementation can run on the device.
 The order of checks is: arguments (named in the error), backend name, device support, config;
 nothing is launched before all of them pass. A tuned table's configs were checked when tuned.
+The checks and the choice are made once per call signature (operator, backend, config, and the
+dtypes, shapes, strides and devices of the tensors with the values of the other arguments) and
+cached (`plan`), so that a repeated call costs a dictionary lookup; nothing on this path reads
+tensor values (value checks run in checked mode only, flashkern.checks).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import warnings
 
 import torch
 
+from flashkern import checks, library
 from flashkern import device as devices
 from flashkern.autotune import store as stores
 from flashkern.autotune import table as tables
@@ -61,8 +66,10 @@ def table_for(device_info) -> tables.Table:
 
 
 def reload_tables() -> None:
-    """Forget the loaded tables (after tuning in this process, or to pick up another store)."""
+    """Forget the loaded tables and the plans chosen from them (after tuning in this process, or to pick up
+    another store)."""
     _TABLES.clear()
+    _PLANS.clear()
 
 
 def auto_choice(op: Operator, problem, device_info) -> tuple[Implementation | None, dict | None]:
@@ -103,10 +110,102 @@ def resolve(op: Operator, problem, device_info, backend: str, config) -> tuple[I
     return impl, config
 
 
-def call(op: Operator, inputs: dict, backend: str = "auto", config: dict | None = None):
-    """Check the arguments, pick the backend and run it."""
+class Plan:
+    """What one call signature runs: the checked problem, the implementation (None: the reference), its config,
+    the device, and the expected outputs' metadata (on the meta device, once a call passes out=)."""
+
+    __slots__ = ("problem", "impl", "config", "device", "out_spec")
+
+    def __init__(self, problem, impl, config, device):
+        self.problem, self.impl, self.config, self.device, self.out_spec = problem, impl, config, device, None
+
+
+_PLANS: dict[tuple, Plan] = {}  # (operator, backend, config, argument metadata) -> Plan
+MAX_PLANS = 4096  # distinct call signatures kept (a serving process sees one per batch size and layer kind)
+
+
+def _metadata(inputs: dict) -> tuple:
+    """Everything the metadata checks and the backend choice read: per tensor its dtype, shape, strides and device;
+    every other argument by type and value."""
+    return tuple([(v.dtype, v.shape, v.stride(), v.device) if isinstance(v, torch.Tensor) else (v.__class__, v)
+                  for v in inputs.values()])
+
+
+def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:
+    """The checked plan for a call, cached per argument metadata: a repeated call signature skips the checks and
+    the backend choice. `inputs` leaves in the form the kernels take (op.prepare; the check applies it too)."""
+    try:
+        key = (op.name, backend, None if config is None else tuple(sorted(config.items())), _metadata(inputs))
+        found = _PLANS.get(key)
+    except TypeError:  # an unhashable argument, which the checks will name
+        key = found = None
+    if found is not None:
+        if op.prepare is not None:
+            op.prepare(inputs)
+        return found
     problem = op.check(inputs)
-    impl, config = resolve(op, problem, devices.info(_device_of(inputs)), backend, config)
-    if impl is None:
-        return op.reference(**inputs)
-    return impl.run(problem, inputs, config)
+    device = _device_of(inputs)
+    made = Plan(problem, *resolve(op, problem, devices.info(device), backend, config), device)
+    if key is not None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = made
+    return made
+
+
+def _tensors(outputs) -> tuple:
+    return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+
+
+def copy_into(out, result):
+    """Copy a result into caller-provided outputs of the same structure; returns out."""
+    for target, value in zip(_tensors(out), _tensors(result)):
+        target.copy_(value)
+    return out
+
+
+def _checked_out(op: Operator, found: Plan, inputs: dict, out):
+    """Caller-provided outputs: the structure, dtypes and shapes of op.outputs, contiguous, on the inputs' device,
+    sharing no memory with an input (the kernels read inputs while they write outputs)."""
+    if found.out_spec is None:
+        found.out_spec = op.outputs(found.problem, inputs, "meta")
+    expected = found.out_spec
+    fields = getattr(expected, "_fields", None)
+    if isinstance(expected, torch.Tensor):
+        named = (("out", out, expected),)
+    elif not isinstance(out, (tuple, list)) or len(out) != len(expected):
+        raise TypeError(f"out must be a tuple of {len(expected)} tensors"
+                        f"{' (' + ', '.join(fields) + ')' if fields else ''}, got {type(out).__name__}")
+    else:
+        named = tuple((f"out.{fields[i]}" if fields else f"out[{i}]", got, want)
+                      for i, (got, want) in enumerate(zip(out, expected)))
+    storages = {v.untyped_storage().data_ptr() for v in inputs.values() if isinstance(v, torch.Tensor)}
+    for name, got, want in named:
+        checks.tensor(name, got, dtype=want.dtype, shape=want.shape, device=found.device)
+        if got.numel() and got.untyped_storage().data_ptr() in storages:
+            raise ValueError(f"{name} shares memory with an input; pass a separate buffer")
+    return type(expected)(*out) if fields else out
+
+
+def run(op: Operator, inputs: dict, backend: str = "auto", config: dict | None = None, out=None):
+    """One eager call: the plan (checked once per call signature), value checks in checked mode, the outputs
+    (allocated, or the caller's `out`, which every backend writes in full), the kernel or the reference."""
+    found = plan(op, inputs, backend, config)
+    if op.check_values is not None and checks.checked_mode():
+        op.check_values(inputs, found.problem)
+    if out is None:
+        out = op.outputs(found.problem, inputs, found.device)
+    else:
+        out = _checked_out(op, found, inputs, out)
+    if found.impl is None:
+        return copy_into(out, op.reference(**inputs))
+    return found.impl.run(found.problem, inputs, found.config, out)
+
+
+def call(op: Operator, inputs: dict, backend: str = "auto", config: dict | None = None, out=None):
+    """An entry point's call: eager, `run`; under torch.compile, the custom op torch.ops.flashkern.<name>
+    (flashkern.library), whose result is copied into `out` when one is given."""
+    if torch.compiler.is_compiling():
+        result = library.traced_call(op, inputs, backend, config)
+        return result if out is None else copy_into(out, result)
+    return run(op, inputs, backend, config, out)

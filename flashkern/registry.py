@@ -4,8 +4,10 @@ One record per operator ties together everything the CLI, the tests, the tuner a
 dispatcher need, so none of them names an operator in code:
 
   Operator: name, public entry point, reference, implementations, argument check (inputs ->
-            problem), input maker, comparison, cost model, shape presets.
-  Implementation: a Triton or TileLang kernel with its tuning space and default config.
+            problem: metadata only), value check (checked mode only), output allocation, input maker,
+            comparison, cost model, shape presets.
+  Implementation: a Triton or TileLang kernel with its tuning space and default config; it writes
+            into outputs its caller allocated (Operator.outputs, or a user's out= buffers).
 
 A *problem* is a frozen dataclass describing one call's shapes and static options
 (tokens, experts, ...). It has `key` (a readable shape key), `sizes` (the sizes that vary per
@@ -23,6 +25,8 @@ import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
+
+import torch
 
 from flashkern.autotune.space import Config, Space
 
@@ -85,11 +89,12 @@ class Implementation:
     def unavailable(self, device) -> str | None:
         return self.kernel.unavailable(device)
 
-    def run(self, problem, inputs: dict, config: Config):
-        return self.kernel.run(problem, inputs, config)
+    def run(self, problem, inputs: dict, config: Config, out):
+        """Launch the kernel(s) writing every element of `out`; returns `out`."""
+        return self.kernel.run(problem, inputs, config, out)
 
-    def build_sm90(self, problem, inputs: dict, config: Config):
-        return self.kernel.build_sm90(problem, inputs, config)
+    def build_sm90(self, problem, inputs: dict, config: Config, out):
+        return self.kernel.build_sm90(problem, inputs, config, out)
 
 
 @dataclass(frozen=True)
@@ -99,17 +104,29 @@ class Operator:
     entry: Callable  # the public function, flashkern.ops.<name>
     reference: Callable  # called with the inputs dict as keyword arguments
     implementations: tuple[Implementation, ...]
-    check: Callable[[dict], Any]  # inputs -> problem; raises naming the bad argument
+    check: Callable[[dict], Any]  # inputs -> problem from metadata only; raises naming the bad argument
+    outputs: Callable[[Any, dict, Any], Any]  # (problem, inputs, device) -> uninitialized outputs (tensor or tuple)
     make_inputs: Callable[[Any, Any, int], dict]  # (problem, device, seed) -> inputs
     compare: Callable[[dict, Any, Any], None]  # (inputs, expected, actual); raises AssertionError
     cost: Callable[[Any], Cost]
     presets: dict[str, tuple]  # name -> problems
+    check_values: Callable[[dict, Any], None] | None = None  # (inputs, problem): index ranges, in checked mode
+    prepare: Callable[[dict], None] | None = None  # zero-copy kernel views of accepted forms (check applies it too)
+
+    def __post_init__(self):
+        from flashkern import library
+
+        library.register(self)
 
     def implementation(self, name: str) -> Implementation:
         for impl in self.implementations:
             if impl.name == name:
                 return impl
         raise KeyError(name)
+
+    def empty_outputs(self, problem, inputs: dict):
+        """Uninitialized outputs for one call, on the inputs' device."""
+        return self.outputs(problem, inputs, next(v.device for v in inputs.values() if isinstance(v, torch.Tensor)))
 
     @property
     def backends(self) -> tuple[str, ...]:

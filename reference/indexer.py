@@ -5,6 +5,17 @@ Scoring, for query rows m with H heads and keys n (dimension D), on dequantized 
     logits[m, n] = sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n]    for ks[m] <= n < ke[m]
                  = -inf                                                  elsewhere
 
+Out-of-range values (any int32 index value is memory-safe; nothing outside a tensor is read, and
+what an out-of-range value points at counts as padding):
+- ks, ke: row m scores key n iff max(ks[m], 0) <= n < min(ke[m], N); empty when ks >= ke.
+- paged context lengths: a row's end (below) is clamped to [0, max_blocks * block_size];
+  block table entries are read only inside a row's visible range, and an entry outside
+  [0, cache blocks) makes its block's positions -inf.
+- topk_indices ends, starts: position n is eligible iff max(starts, 0) <= n < min(ends, N).
+- candidate_blocks row_end: clamped to [0, N] (the pinned newest block holds min(row_end, N) - 1;
+  none when it is <= 0).
+- sparse_mqa_logits blocks: an id outside [0, ceil(N / block)) counts as -1 (no candidate).
+
 The logit is computed in fp32; `logits_dtype=torch.bfloat16` (mqa_logits, paged_mqa_logits) stores
 it rounded to the nearest bf16 (ties to even; -inf stays -inf), as DeepGEMM's bf16 logits.
 
@@ -196,26 +207,32 @@ def mqa_logits(q, k, k_scale, w, ks, ke, q_scale=None, logits_dtype=torch.float3
 def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, q_scale=None,
                      logits_dtype=torch.float32) -> torch.Tensor:
     """Decode indexer logits [B * next_n, max_blocks * block_size] fp32 or bf16 over a paged key cache (separate
-    data and scales, or fused pages with k_scale None); context_lens [B] or [B, next_n]."""
+    data and scales, or fused pages with k_scale None); context_lens [B] or [B, next_n].
+
+    Every position of the table is scored and masked (no host reads of the lengths): a row's end is clamped to
+    [0, width], and positions in blocks whose table entry is outside [0, cache blocks) are -inf."""
     if k_scale is None:
         k_cache, k_scale = fused_cache_views(k_cache, fp4=q.dtype != torch.float8_e4m3fn)
     batch, next_n = q.shape[:2]
-    block_size = k_cache.shape[1]
+    cache_blocks, block_size = k_cache.shape[:2]
     width = block_table.shape[1] * block_size
-    positions = torch.arange(width, device=q.device)
     logits = torch.full((batch * next_n, width), -torch.inf, device=q.device)
+    if cache_blocks == 0:  # no keys at all
+        return logits.to(logits_dtype)
+    if context_lens.dim() == 2:
+        ends = context_lens.long()
+    else:  # token j sits at position context_lens[b] - next_n + j
+        ends = context_lens.long()[:, None] - next_n + 1 + torch.arange(next_n, device=q.device)
+    visible = torch.arange(width, device=q.device) < ends.clamp(0, width)[:, :, None]  # [B, next_n, width]
+    pages = block_table.long()
+    followed = ((pages >= 0) & (pages < cache_blocks)).repeat_interleave(block_size, dim=1)  # [B, width]
+    pages = pages.clamp(0, cache_blocks - 1)
     for b in range(batch):
-        if context_lens.dim() == 2:
-            ends = context_lens[b]
-        else:
-            ends = context_lens[b] - next_n + 1 + torch.arange(next_n, device=q.device)  # per query token
-        seen = int(ends.max().clamp(min=0))
-        blocks = block_table[b, : -(-seen // block_size)].long()
-        keys = dequantize_keys(k_cache[blocks], k_scale[blocks]).flatten(0, 1)[:seen]
+        keys = dequantize_keys(k_cache[pages[b]], k_scale[pages[b]]).flatten(0, 1)  # [width, D]
         rows = slice(b * next_n, (b + 1) * next_n)
         queries = dequantize_queries(q[b], None if q_scale is None else q_scale[b])
         scores = score_keys(queries, w[rows].float(), keys)
-        logits[rows, :seen] = scores.masked_fill(positions[:seen] >= ends[:, None], -torch.inf)
+        logits[rows] = scores.masked_fill(~(visible[b] & followed[b]), -torch.inf)
     return logits.to(logits_dtype)
 
 
@@ -265,20 +282,19 @@ def topk_indices(logits, ends, k, starts=None, sorted=False) -> torch.Tensor:
 
 
 def block_scores(logits: torch.Tensor, row_end: torch.Tensor, block: int) -> torch.Tensor:
-    """Block scores [M, ceil(N / block)]: the max of each block's positions below row_end (NaN as -inf,
-    -0.0 as +0.0); the block holding row_end - 1 scores +inf."""
+    """Block scores [M, ceil(N / block)]: the max of each block's positions below end = clamp(row_end, 0, N)
+    (NaN as -inf, -0.0 as +0.0); the block holding end - 1 scores +inf."""
     rows, n = logits.shape
     nb = -(-n // block)
+    end = row_end.clamp(0, n)
     position = torch.arange(nb * block, device=logits.device)
     padded = torch.nn.functional.pad(logits.float(), (0, nb * block - n), value=-torch.inf)
     padded = padded.nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
     padded = torch.where(padded == 0, 0.0, padded)  # -0.0 as +0.0: a block's maximum is one number
-    padded = padded.masked_fill(position >= row_end[:, None], -torch.inf)
+    padded = padded.masked_fill(position >= end[:, None], -torch.inf)
     scores = padded.view(rows, nb, block).amax(dim=2)
-    newest = (row_end.long() - 1).div(block, rounding_mode="floor")
-    has_newest = row_end > 0
-    scores[has_newest, newest[has_newest]] = torch.inf
-    return scores
+    newest = (end.long() - 1).div(block, rounding_mode="floor")
+    return torch.where(torch.arange(nb, device=logits.device) == newest[:, None], torch.inf, scores)
 
 
 def candidate_blocks(logits, row_end, n_blocks=2048, block=8) -> torch.Tensor:
@@ -287,18 +303,21 @@ def candidate_blocks(logits, row_end, n_blocks=2048, block=8) -> torch.Tensor:
     return select_topk(scores, scores > -torch.inf, n_blocks)
 
 
-def candidate_positions(blocks: torch.Tensor, block: int) -> torch.Tensor:
-    """Absolute position of every slot of the candidate blocks [M, n_blocks]: [M, n_blocks * block], -1 in -1 blocks."""
+def candidate_positions(blocks: torch.Tensor, block: int, keys: int) -> torch.Tensor:
+    """Absolute position of every slot of the candidate blocks [M, n_blocks] of `keys` keys: [M, n_blocks * block],
+    -1 in blocks whose id is outside [0, ceil(keys / block)) (-1 included)."""
     offsets = torch.arange(block, device=blocks.device, dtype=torch.int32)
-    positions = blocks[:, :, None] * block + offsets
-    return torch.where(blocks[:, :, None] >= 0, positions, -1).flatten(1)
+    valid = (blocks >= 0) & (blocks < -(-keys // block))
+    positions = torch.where(valid, blocks, 0)[:, :, None] * block + offsets
+    return torch.where(valid[:, :, None], positions, -1).flatten(1)
 
 
 def candidate_scores(q, k, k_scale, w, ks, ke, blocks, block=8, q_scale=None):
     """(positions, scores) of every candidate slot [M, n_blocks * block]; scores are -inf outside [ks, ke), past
-    the keys and in -1 blocks."""
-    positions = candidate_positions(blocks, block)
-    inside = (positions >= ks[:, None]) & (positions < ke[:, None]) & (positions < k.shape[0])
+    the keys and in blocks without a valid id."""
+    positions = candidate_positions(blocks, block, k.shape[0])
+    inside = ((positions >= 0) & (positions >= ks[:, None]) & (positions < ke[:, None])
+              & (positions < k.shape[0]))
     if k.shape[0] == 0:
         return positions, torch.full(positions.shape, -torch.inf, device=positions.device)
     gathered = positions.clamp(0, k.shape[0] - 1).long()

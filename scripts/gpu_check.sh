@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session in one run, no network needed: the equivalence suite on CUDA (the sm_90a builds run in CI),
+# the serving path (CUDA-graph capture and replay of every operator, no host reads, torch.compile),
 # smoke-preset tuning, dispatch tables (JSON), reports and plots, benchmarks and logs, all
 # written into OUT_DIR, with a one-line-per-step summary in OUT_DIR/summary.txt. The step limits sum to
 # 570 s, under the device tool's 600 s per command (and a 15-minute session budget that also pays for
@@ -30,20 +31,21 @@ step() {  # step NAME SECONDS COMMAND...: time-limited, logged to OUT_DIR/NAME.l
 
 step env 20 bash -c "nvidia-smi; $py -c 'import torch, triton, tilelang, flashkern.device as d; \
 print(torch.__version__, triton.__version__, tilelang.__version__); print(d.info())'"
-step tests 90 "$py" -m pytest tests/test_moe_route.py tests/test_codecs.py tests/test_registry.py -q \
+step tests 85 "$py" -m pytest tests/test_moe_route.py tests/test_codecs.py tests/test_registry.py -q \
     -p no:cacheprovider --junitxml="$out/tests.xml"
 step tests-indexer 75 "$py" -m pytest tests/test_indexer.py -q -p no:cacheprovider --junitxml="$out/tests-indexer.xml"
 step tests-mhc 75 "$py" -m pytest tests/test_mhc.py -q -p no:cacheprovider --junitxml="$out/tests-mhc.xml"
 step tests-layouts-compat 75 "$py" -m pytest tests/test_layouts.py tests/test_vllm_routing.py tests/test_vllm_topk.py \
     tests/test_vllm_mhc.py tests/test_deep_gemm.py -q -p no:cacheprovider --junitxml="$out/tests-layouts-compat.xml"
+step tests-serving 50 "$py" -m pytest tests/test_serving.py -q -p no:cacheprovider --junitxml="$out/tests-serving.xml"
 for op in mqa_logits; do
-    step "tune-$op" 45 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
+    step "tune-$op" 35 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
     step "table-$op" 15 "$py" -m flashkern table "$op" --export "$out/table-$op.json"
     step "report-$op" 15 "$py" -m flashkern report "$op" --plot "$out/$op.png"
 done
-step bench 40 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
-step indexer-work 45 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
+step bench 30 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
+step indexer-work 35 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
     --json "$out/indexer-work.json"
-step mhc-bandwidth 60 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
-step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py
+step mhc-bandwidth 45 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
+step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py --pairs 5 --number 200
 exit $status

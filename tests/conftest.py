@@ -1,9 +1,13 @@
 """Hypothesis profiles: `ci` (fast, the default), `thorough` (local runs), `gpu` (scripts/gpu_check.sh).
 
 Select with FLASHKERN_HYPOTHESIS_PROFILE=thorough (or pytest --hypothesis-profile=thorough).
+The suite runs in checked mode (index values checked on every call; flashkern.checks) unless
+FLASHKERN_CHECKED=0 is set; tests of the default mode turn it off where they need to.
 """
 
 import os
+
+os.environ.setdefault("FLASHKERN_CHECKED", "1")  # before flashkern is imported
 
 from hypothesis import HealthCheck, settings
 

@@ -78,10 +78,10 @@ def test_correctness_gate_stores_failures_that_never_win(tmp_path, monkeypatch):
 
     real_run = TileLangKernel.run
 
-    def wrong_for_block_t_2(self, problem, inputs, config):
-        weights, ids = real_run(self, problem, inputs, config)
+    def wrong_for_block_t_2(self, problem, inputs, config, out):
+        weights, ids = real_run(self, problem, inputs, config, out)
         if config["block_t"] == 2:
-            ids = ids.flip(1).roll(1, dims=0) if ids.shape[0] > 1 else (ids + 1) % problem.routing.experts
+            ids.copy_(ids.flip(1).roll(1, dims=0) if ids.shape[0] > 1 else (ids + 1) % problem.routing.experts)
         return weights, ids
 
     monkeypatch.setattr(TileLangKernel, "run", wrong_for_block_t_2)
@@ -141,7 +141,7 @@ def test_auto_dispatch_follows_the_table(tmp_path, monkeypatch):
     dispatch.reload_tables()
     seen = []
     real_run = TileLangKernel.run
-    monkeypatch.setattr(TileLangKernel, "run", lambda self, p, i, c: seen.append(c) or real_run(self, p, i, c))
+    monkeypatch.setattr(TileLangKernel, "run", lambda self, p, i, c, o: seen.append(c) or real_run(self, p, i, c, o))
     try:
         out = flashkern.ops.moe_route(**inputs)  # T=37 -> bucket 64: exact
         OP.compare(inputs, None, out)

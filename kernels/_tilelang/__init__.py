@@ -204,12 +204,17 @@ def _stages(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _first_tensor(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
 @dataclass(frozen=True, eq=False)
 class TileLangKernel:
     """A TileLang implementation from one source for both targets.
 
     program(problem, config, flavour) -> prim_func, with dynamic sizes for what varies per call;
-    arguments(problem, inputs, config, flavour) -> (kernel arguments or None when there is nothing to do, outputs).
+    arguments(problem, inputs, config, flavour, out) -> kernel arguments, or None when there is nothing to launch
+    (having written `out` itself); the kernels write every element of `out`, the outputs the caller allocated.
     A multi-stage implementation returns a tuple of prim_funcs and a tuple of argument lists (None
     skips a stage); the stages run in order.
     gpu_pass_configs: TileLang pass options for the CUDA build (the same for JIT and the sm_90a check).
@@ -237,19 +242,18 @@ class TileLangKernel:
             _BY_SOURCE[source] = (compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func))
         return _BY_SOURCE[source]
 
-    def run(self, problem, inputs, config):
-        device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
-        fl = GPU if device.type == "cuda" else CPU
-        args, outputs = self.arguments(problem, inputs, config, fl)
+    def run(self, problem, inputs, config, out):
+        fl = GPU if _first_tensor(out).is_cuda else CPU
+        args = self.arguments(problem, inputs, config, fl, out)
         if args is None:
-            return outputs
+            return out
         kernels = self.compiled(problem, config, fl)
         for kernel, stage_args in zip(kernels, (args,) if len(kernels) == 1 else args):
             if stage_args is not None:
                 kernel(*stage_args)
-        return outputs
+        return out
 
-    def build_sm90(self, problem, inputs, config) -> BuildReport:
+    def build_sm90(self, problem, inputs, config, out) -> BuildReport:
         funcs = _stages(self.program(problem, config, GPU))
         return BuildReport.merge(build_sm90(func, self.gpu_pass_configs) for func in funcs)
 

@@ -125,24 +125,24 @@ def _stages(launches) -> tuple[Launch, ...]:
 
 @dataclass(frozen=True)
 class TritonKernel:
-    """A Triton implementation: `plan(problem, inputs, config) -> (launches, outputs)` does the rest.
+    """A Triton implementation: `plan(problem, inputs, config, out) -> launches` does the rest.
 
-    `launches` is one Launch, or a tuple of them run in order (a multi-stage implementation).
+    `launches` is one Launch, or a tuple of them run in order (a multi-stage implementation); together they
+    write every element of `out` (the operator's outputs, allocated by the caller).
     """
 
     plan: Any
     min_capability: tuple[int, int] = (8, 0)
     cpu_mode = "Triton interpreter (correct, not a speed contender)"
 
-    def run(self, problem, inputs, config):
-        launches, outputs = self.plan(problem, inputs, config)
-        for launch in _stages(launches):
+    def run(self, problem, inputs, config, out):
+        for launch in _stages(self.plan(problem, inputs, config, out)):
             if all(n > 0 for n in launch.grid):
                 launch()
-        return outputs
+        return out
 
-    def build_sm90(self, problem, inputs, config) -> BuildReport:
-        launches, _ = self.plan(problem, inputs, config)
+    def build_sm90(self, problem, inputs, config, out) -> BuildReport:
+        launches = self.plan(problem, inputs, config, out)
         return BuildReport.merge(build_sm90(launch) for launch in _stages(launches))
 
     def unavailable(self, device) -> str | None:

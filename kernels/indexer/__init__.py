@@ -15,6 +15,7 @@ flashkern.reference.indexer; DeepGEMM's call signatures are in flashkern.compat.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from flashkern import checks
 from flashkern.dispatch import call
@@ -35,67 +36,92 @@ LOGITS_DTYPES = (torch.float32, torch.bfloat16)  # of logits the scoring ops wri
 MAX_NEXT_N = 8  # query tokens per sequence in decode (MTP)
 
 
-def _check_scale_bytes(inputs: dict, name: str, lead: tuple, blocks: int, device) -> None:
-    """A ue8m0 scale argument: uint8 [*lead, blocks], or DeepGEMM's packed int32 words [*lead, ceil(blocks / 4)],
-    which `inputs` then holds as their zero-copy uint8 view (ref.ue8m0_bytes)."""
-    value = inputs[name]
-    packed = isinstance(value, torch.Tensor) and value.dtype == torch.int32
-    width = -(-blocks // 4) if packed else blocks
-    scale = checks.tensor(name, value, dtype=(torch.uint8, torch.int32), shape=(*lead, width), device=device,
-                          strided=True)
-    inputs[name] = ref.ue8m0_bytes(scale, blocks)
+def _scale_width(value, blocks: int) -> int:
+    """Stored width of a ue8m0 scale argument: `blocks` bytes, or ceil(blocks / 4) packed int32 words."""
+    return -(-blocks // 4) if isinstance(value, torch.Tensor) and value.dtype == torch.int32 else blocks
+
+
+def kernel_views(inputs: dict) -> None:
+    """Replace the zero-copy forms the entry points accept by the views the kernels and the reference take:
+    DeepGEMM's fused paged cache (k_cache with k_scale None) by its data and scale views (ref.fused_cache_views,
+    which also checks the cache's strides and alignment), packed int32 ue8m0 scales by their bytes."""
+    fp4 = inputs["q"].dtype == torch.uint8
+    if "k_cache" in inputs and inputs["k_scale"] is None:
+        inputs["k_cache"], inputs["k_scale"] = ref.fused_cache_views(inputs["k_cache"], fp4=fp4)
+    if fp4:
+        blocks = 2 * inputs["q"].shape[-1] // ref.MX_BLOCK
+        for name in ("k_scale", "q_scale"):
+            if inputs[name].dtype == torch.int32:
+                inputs[name] = ref.ue8m0_bytes(inputs[name], blocks)
+
+
+def _check_keys(inputs: dict, k_name: str, k_lead: tuple, indexer: Indexer, device) -> None:
+    """k (or k_cache) and k_scale in the separate form: e4m3 keys with fp32 scales, or packed e2m1 with ue8m0 scales."""
+    if indexer.fmt == "fp8":
+        k = checks.tensor(k_name, inputs[k_name], dtype=torch.float8_e4m3fn, shape=(*k_lead, indexer.dim),
+                          device=device, strided=True)
+        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.float32, shape=k.shape[:-1], device=device,
+                      strided=len(k_lead) > 1)  # per key: 1-D (contiguous) for a flat key table
+        return
+    k = checks.tensor(k_name, inputs[k_name], dtype=torch.uint8, shape=(*k_lead, indexer.dim // 2), device=device,
+                      strided=True)
+    scale = inputs["k_scale"]
+    checks.tensor("k_scale", scale, dtype=(torch.uint8, torch.int32),
+                  shape=(*k.shape[:-1], _scale_width(scale, indexer.dim // ref.MX_BLOCK)), device=device, strided=True)
 
 
 def _check_qk(inputs: dict, q_lead: tuple, k_lead: tuple, k_name: str = "k") -> tuple[Indexer, torch.device]:
     """Storage format, heads and dim from q; k, k_scale and q_scale must agree. Leads: the leading sizes.
 
-    Zero-copy forms are replaced in `inputs` by the views the kernels take: packed int32 ue8m0 scales by their bytes,
-    a fused paged cache (k_cache with k_scale None) by its data and scale views (ref.fused_cache_views)."""
+    The zero-copy forms (packed int32 ue8m0 scales, a fused paged cache) are checked as given, then replaced in
+    `inputs` by their kernel views (kernel_views)."""
     q = inputs["q"]
     checks.tensor("q", q, dtype=(torch.float8_e4m3fn, torch.uint8), shape=(*q_lead, None, None), strided=True)
     device = q.device
     fmt = "fp8" if q.dtype == torch.float8_e4m3fn else "mxfp4"
     heads, stored = q.shape[-2:]
     dim = stored if fmt == "fp8" else 2 * stored
-    q_lead = q.shape[:-2]
     if heads == 0:
         raise ValueError(f"q must have at least one head, got shape {list(q.shape)}")
     if dim < 32 or dim > 512 or dim & (dim - 1):
         raise ValueError(f"q: head dim {dim} is not supported (a power of two in [32, 512])")
-    if k_name == "k_cache" and inputs["k_scale"] is None:  # DeepGEMM's fused pages
-        cache = checks.tensor("k_cache", inputs["k_cache"], dtype=torch.uint8, shape=(None, None, 1, stored + 4),
-                              device=device, strided=True)
-        inputs["k_cache"], inputs["k_scale"] = ref.fused_cache_views(cache, fp4=fmt == "mxfp4")
-    if fmt == "fp8":
-        k = checks.tensor(k_name, inputs[k_name], dtype=torch.float8_e4m3fn, shape=(*k_lead, dim), device=device,
-                          strided=True)
-        checks.tensor("k_scale", inputs["k_scale"], dtype=torch.float32, shape=k.shape[:-1], device=device,
-                      strided=len(k_lead) > 1)  # per key: 1-D (contiguous) for a flat key table
-        if inputs["q_scale"] is not None:
-            raise ValueError("q_scale is for MXFP4 queries; fold an FP8 query scale into w")
+    indexer = Indexer(heads, dim, fmt)
+    fused = k_name == "k_cache" and inputs["k_scale"] is None  # DeepGEMM's fused pages
+    if fused:
+        checks.tensor("k_cache", inputs["k_cache"], dtype=torch.uint8, shape=(None, None, 1, stored + 4),
+                      device=device, strided=True)
     else:
-        blocks = dim // ref.MX_BLOCK
-        k = checks.tensor(k_name, inputs[k_name], dtype=torch.uint8, shape=(*k_lead, stored), device=device,
-                          strided=True)
-        _check_scale_bytes(inputs, "k_scale", k.shape[:-1], blocks, device)
+        _check_keys(inputs, k_name, k_lead, indexer, device)
+    if fmt == "fp8" and inputs["q_scale"] is not None:
+        raise ValueError("q_scale is for MXFP4 queries; fold an FP8 query scale into w")
+    if fmt == "mxfp4":
         if inputs["q_scale"] is None:
             raise ValueError("q_scale is required for MXFP4 (uint8) queries: ue8m0 scales [..., H, D/32]")
-        _check_scale_bytes(inputs, "q_scale", (*q_lead, heads), blocks, device)
-    return Indexer(heads, dim, fmt), device
+        checks.tensor("q_scale", inputs["q_scale"], dtype=(torch.uint8, torch.int32),
+                      shape=(*q.shape[:-2], heads, _scale_width(inputs["q_scale"], dim // ref.MX_BLOCK)),
+                      device=device, strided=True)
+    kernel_views(inputs)
+    if fused:
+        _check_keys(inputs, k_name, k_lead, indexer, device)
+    return indexer, device
 
 
-def _check_ragged(inputs: dict, rows: int, keys: int, heads: int, device) -> None:
+def _check_ragged(inputs: dict, rows: int, heads: int, device) -> None:
     checks.tensor("w", inputs["w"], dtype=torch.float32, shape=(rows, heads), device=device, strided=True)
-    ks = checks.tensor("ks", inputs["ks"], dtype=torch.int32, shape=(rows,), device=device)
-    ke = checks.tensor("ke", inputs["ke"], dtype=torch.int32, shape=(rows,), device=device)
-    checks.values_in("ks", ks, 0, keys, why=f"key positions of {keys} keys")
-    checks.values_in("ke", ke, ks, keys, why=f"ks <= ke <= {keys} keys")
+    checks.tensor("ks", inputs["ks"], dtype=torch.int32, shape=(rows,), device=device)
+    checks.tensor("ke", inputs["ke"], dtype=torch.int32, shape=(rows,), device=device)
+
+
+def _ragged_values(inputs: dict, problem) -> None:
+    keys = problem.keys
+    checks.values_in("ks", inputs["ks"], 0, keys, why=f"key positions of {keys} keys")
+    checks.values_in("ke", inputs["ke"], inputs["ks"], keys, why=f"ks <= ke <= {keys} keys")
 
 
 def check_mqa_logits(inputs: dict) -> LogitsProblem:
     indexer, device = _check_qk(inputs, (None,), (None,))
     rows, keys = inputs["q"].shape[0], inputs["k"].shape[0]
-    _check_ragged(inputs, rows, keys, indexer.heads, device)
+    _check_ragged(inputs, rows, indexer.heads, device)
     bf16 = _check_logits_dtype(inputs) == torch.bfloat16
     return LogitsProblem(rows, keys, indexer, bf16)
 
@@ -104,11 +130,10 @@ def _check_logits_dtype(inputs: dict) -> torch.dtype:
     return checks.choice("logits_dtype", inputs["logits_dtype"], LOGITS_DTYPES)
 
 
-
 def check_paged(inputs: dict) -> PagedProblem:
     indexer, device = _check_qk(inputs, (None, None), (None, None), k_name="k_cache")
     batch, next_n = inputs["q"].shape[:2]
-    cache_blocks, block_size = inputs["k_cache"].shape[:2]
+    block_size = inputs["k_cache"].shape[1]
     if not 1 <= next_n <= MAX_NEXT_N:
         raise ValueError(f"q must hold 1 to {MAX_NEXT_N} query tokens per sequence (next_n), got {next_n}")
     if block_size == 0:
@@ -121,14 +146,18 @@ def check_paged(inputs: dict) -> PagedProblem:
     lens_2d = isinstance(lens, torch.Tensor) and lens.dim() == 2  # per token [B, next_n], else per sequence [B]
     checks.tensor("context_lens", lens, dtype=torch.int32, shape=(batch, next_n) if lens_2d else (batch,),
                   device=device)
-    width = table.shape[1] * block_size
-    checks.values_in("context_lens", lens, 0, width, why=f"the block table addresses {width} positions")
-    seen = lens.amax(dim=1) if lens_2d else lens  # positions read per sequence
-    used = torch.arange(table.shape[1], device=device) * block_size < seen[:, None]
-    checks.values_in("block_table", torch.where(used, table, 0), 0, cache_blocks - 1,
-                     why=f"cache block ids of {cache_blocks} blocks, for blocks within context_lens")
     bf16 = _check_logits_dtype(inputs) == torch.bfloat16
     return PagedProblem(batch, table.shape[1], next_n, block_size, indexer, lens_2d, bf16)
+
+
+def _paged_values(inputs: dict, problem: PagedProblem) -> None:
+    lens, table = inputs["context_lens"], inputs["block_table"]
+    cache_blocks = inputs["k_cache"].shape[0]
+    checks.values_in("context_lens", lens, 0, problem.width, why=f"the block table addresses {problem.width} positions")
+    seen = lens.amax(dim=1) if problem.lens_2d else lens  # positions read per sequence
+    used = torch.arange(problem.max_blocks, device=table.device) * problem.block_size < seen[:, None]
+    checks.values_in("block_table", torch.where(used, table, 0), 0, cache_blocks - 1,
+                     why=f"cache block ids of {cache_blocks} blocks, for blocks within context_lens")
 
 
 def _check_k(k, *, name: str = "k") -> int:
@@ -139,38 +168,83 @@ def check_topk(inputs: dict) -> TopkProblem:
     logits = checks.tensor("logits", inputs["logits"], dtype=LOGITS_DTYPES, shape=(None, None), strided=True)
     rows, positions = logits.shape
     k = _check_k(inputs["k"])
-    ends = checks.tensor("ends", inputs["ends"], dtype=torch.int32, shape=(rows,), device=logits.device)
+    checks.tensor("ends", inputs["ends"], dtype=torch.int32, shape=(rows,), device=logits.device)
     starts = checks.optional_tensor("starts", inputs["starts"], dtype=torch.int32, shape=(rows,), device=logits.device)
-    checks.values_in("ends", ends, 0, positions, why=f"logits has {positions} positions")
-    if starts is not None:
-        checks.values_in("starts", starts, 0, ends, why="0 <= starts <= ends")
     by_score = checks.flag("sorted", inputs["sorted"])
     return TopkProblem(rows, positions, k, starts is not None, by_score, logits.dtype == torch.bfloat16)
+
+
+def _topk_values(inputs: dict, problem: TopkProblem) -> None:
+    positions = problem.positions
+    checks.values_in("ends", inputs["ends"], 0, positions, why=f"logits has {positions} positions")
+    if inputs["starts"] is not None:
+        checks.values_in("starts", inputs["starts"], 0, inputs["ends"], why="0 <= starts <= ends")
 
 
 def check_candidates(inputs: dict) -> CandidateProblem:
     logits = checks.tensor("logits", inputs["logits"], dtype=LOGITS_DTYPES, shape=(None, None), strided=True)
     rows, positions = logits.shape
-    row_end = checks.tensor("row_end", inputs["row_end"], dtype=torch.int32, shape=(rows,), device=logits.device)
-    checks.values_in("row_end", row_end, 0, positions, why=f"logits has {positions} positions")
+    checks.tensor("row_end", inputs["row_end"], dtype=torch.int32, shape=(rows,), device=logits.device)
     n_blocks = _check_k(inputs["n_blocks"], name="n_blocks")
     block = checks.integer("block", inputs["block"], low=1, high=256)
     return CandidateProblem(rows, positions, n_blocks, block, logits.dtype == torch.bfloat16)
 
 
+def _candidate_values(inputs: dict, problem: CandidateProblem) -> None:
+    positions = problem.positions
+    checks.values_in("row_end", inputs["row_end"], 0, positions, why=f"logits has {positions} positions")
+
+
 def check_sparse(inputs: dict) -> SparseProblem:
     indexer, device = _check_qk(inputs, (None,), (None,))
     rows, keys = inputs["q"].shape[0], inputs["k"].shape[0]
-    _check_ragged(inputs, rows, keys, indexer.heads, device)
+    _check_ragged(inputs, rows, indexer.heads, device)
     block = checks.integer("block", inputs["block"], low=1, high=256)
     top_k = _check_k(inputs["top_k"], name="top_k")
     blocks = checks.tensor("blocks", inputs["blocks"], dtype=torch.int32, shape=(rows, None), device=device,
                            strided=True)
     if blocks.shape[1] == 0:
         raise ValueError("blocks must list at least one candidate block per row")
-    last = max(-(-keys // block) - 1, -1)
-    checks.values_in("blocks", blocks, 0, last, why=f"block ids of {keys} keys in blocks of {block}", allow=-1)
     return SparseProblem(rows, keys, blocks.shape[1], block, top_k, indexer)
+
+
+def _sparse_values(inputs: dict, problem: SparseProblem) -> None:
+    _ragged_values(inputs, problem)
+    keys, block = problem.keys, problem.block
+    last = max(-(-keys // block) - 1, -1)
+    checks.values_in("blocks", inputs["blocks"], 0, last, why=f"block ids of {keys} keys in blocks of {block}",
+                     allow=-1)
+
+
+# ---------------------------------------------------------------- outputs (uninitialized; the kernels write every element)
+
+
+def _logits_output(rows: int, width: int, problem, device) -> torch.Tensor:
+    return torch.empty((rows, width), dtype=_logits_dtype(problem.bf16_logits), device=device)
+
+
+def _index_output(rows: int, width: int, device) -> torch.Tensor:
+    return torch.empty((rows, width), dtype=torch.int32, device=device)
+
+
+def logits_outputs(problem: LogitsProblem, inputs: dict, device) -> torch.Tensor:
+    return _logits_output(problem.rows, problem.keys, problem, device)
+
+
+def paged_outputs(problem: PagedProblem, inputs: dict, device) -> torch.Tensor:
+    return _logits_output(problem.batch * problem.next_n, problem.width, problem, device)
+
+
+def topk_outputs(problem: TopkProblem, inputs: dict, device) -> torch.Tensor:
+    return _index_output(problem.rows, problem.k, device)
+
+
+def candidate_outputs(problem: CandidateProblem, inputs: dict, device) -> torch.Tensor:
+    return _index_output(problem.rows, problem.n_blocks, device)
+
+
+def sparse_outputs(problem: SparseProblem, inputs: dict, device) -> torch.Tensor:
+    return _index_output(problem.rows, problem.top_k, device)
 
 
 # ---------------------------------------------------------------- realistic inputs
@@ -486,12 +560,11 @@ def _sparse_topk_problem(problem: SparseProblem) -> TopkProblem:
     return TopkProblem(0, problem.candidates, problem.top_k)  # the stage's config depends on the specialization only
 
 
-def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict):
+def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: torch.Tensor):
     score, scores = triton_logits.plan_sparse_scores(problem, inputs, config)
-    select, out = triton_topk.topk_launch(scores, None, problem.top_k,
-                                          triton_topk.topk_default(_sparse_topk_problem(problem)),
-                                          drop_neg_inf=True, blocks=inputs["blocks"], block=problem.block)
-    return (score, select), out
+    select = triton_topk.topk_launch(scores, None, out, triton_topk.topk_default(_sparse_topk_problem(problem)),
+                                     drop_neg_inf=True, blocks=inputs["blocks"], block=problem.block)
+    return score, select
 
 
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
@@ -500,16 +573,18 @@ def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
             tilelang_topk.topk_stage_program(topk_config, fl, drop_neg_inf=True, map_block=problem.block))
 
 
-def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl):
+def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl, out: torch.Tensor):
     score_args, scores = tilelang_logits.sparse_scores_args(problem, inputs, fl)
-    select_args, out = tilelang_topk.topk_stage_args(scores, None, problem.top_k, fl, blocks=inputs["blocks"])
-    return (None if score_args is None else (score_args, select_args)), out
+    select_args = tilelang_topk.topk_stage_args(scores, None, out, fl, blocks=inputs["blocks"])
+    return None if select_args is None else (score_args, select_args)  # no keys: no scoring, all -1 selected
 
 
 # ---------------------------------------------------------------- entry points and records
 
 
-def mqa_logits(q, k, k_scale, w, ks, ke, *, q_scale=None, logits_dtype=torch.float32, backend="auto", config=None):
+def mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tensor, ke: Tensor, *, q_scale: Tensor | None = None,
+               logits_dtype: torch.dtype = torch.float32, backend: str = "auto", config: dict | None = None,
+               out: Tensor | None = None) -> Tensor:
     """Dense ragged indexer logits: sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n] for ks[m] <= n < ke[m], else -inf.
 
     Args (q, k, k_scale, w, q_scale: any strides but a unit last one, except a 1-D k_scale):
@@ -520,13 +595,16 @@ def mqa_logits(q, k, k_scale, w, ks, ke, *, q_scale=None, logits_dtype=torch.flo
         q_scale: ue8m0 [M, H, D/32] uint8 or int32 [M, H, ceil(D/128)] for MXFP4 queries, else None.
         logits_dtype: torch.float32, or torch.bfloat16 (the fp32 logit rounded to nearest even).
     Returns: logits [M, N] in logits_dtype.
+    Out-of-range values (refused only in checked mode, flashkern.checks): any int32 ks, ke is safe; row m scores key n
+    iff max(ks[m], 0) <= n < min(ke[m], N) (none when ks >= ke), -inf elsewhere.
     """
     inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale, logits_dtype=logits_dtype)
-    return call(MQA_LOGITS, inputs, backend, config)
+    return call(MQA_LOGITS, inputs, backend, config, out)
 
 
-def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, *, q_scale=None, logits_dtype=torch.float32,
-                     backend="auto", config=None):
+def paged_mqa_logits(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, w: Tensor, block_table: Tensor,
+                     context_lens: Tensor, *, q_scale: Tensor | None = None, logits_dtype: torch.dtype = torch.float32,
+                     backend: str = "auto", config: dict | None = None, out: Tensor | None = None) -> Tensor:
     """Decode indexer logits over a paged key cache: row b * next_n + j sees positions [0, end) of sequence b, with
     end = context_lens[b] - next_n + j + 1 (1-D context_lens) or context_lens[b, j] (2-D).
 
@@ -540,13 +618,17 @@ def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, *, q_sca
         q_scale: [B, next_n, H, D/32] uint8 (or int32 [.., ceil(D/128)]) for MXFP4, else None.
         logits_dtype: torch.float32 or torch.bfloat16.
     Returns: logits [B * next_n, max_blocks * block_size] in logits_dtype, -inf outside each row's visible range.
+    Out-of-range values (refused only in checked mode, flashkern.checks): any int32 context_lens is safe, a row's end
+    clamped to [0, max_blocks * block_size]; table entries are read only inside a row's visible range, and one
+    outside [0, blocks) reads nothing: its block's positions are -inf.
     """
     inputs = dict(q=q, k_cache=k_cache, k_scale=k_scale, w=w, block_table=block_table, context_lens=context_lens,
                   q_scale=q_scale, logits_dtype=logits_dtype)
-    return call(PAGED_MQA_LOGITS, inputs, backend, config)
+    return call(PAGED_MQA_LOGITS, inputs, backend, config, out)
 
 
-def topk_indices(logits, ends, k, *, starts=None, sorted=False, backend="auto", config=None):
+def topk_indices(logits: Tensor, ends: Tensor, k: int, *, starts: Tensor | None = None, sorted: bool = False,
+                 backend: str = "auto", config: dict | None = None, out: Tensor | None = None) -> Tensor:
     """The k largest positions per row among [starts, ends) (NaN lowest, ties to the lower position).
 
     Args:
@@ -555,31 +637,40 @@ def topk_indices(logits, ends, k, *, starts=None, sorted=False, backend="auto", 
         sorted: the chosen positions in rank order (the largest value first, equal values by position) instead of
             ascending position order.
     Returns: int32 [M, k]: the chosen positions, then -1 (min(ends - starts, k) valid).
+    Out-of-range values (refused only in checked mode, flashkern.checks): any int32 ends, starts is safe; position n
+    is eligible iff max(starts, 0) <= n < min(ends, N) (none when starts >= ends).
     """
-    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts, sorted=sorted), backend, config)
+    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts, sorted=sorted), backend, config, out)
 
 
-def candidate_blocks(logits, row_end, n_blocks=2048, block=8, *, backend="auto", config=None):
+def candidate_blocks(logits: Tensor, row_end: Tensor, n_blocks: int = 2048, block: int = 8, *, backend: str = "auto",
+                     config: dict | None = None, out: Tensor | None = None) -> Tensor:
     """V4.1 first level: the n_blocks best blocks of `block` positions per row (block score = max over its positions
     below row_end; the newest block is always kept; ties to the lower block id).
 
     Args: logits [M, N] fp32 or bf16, any row stride (unit stride along a row); row_end [M] int32.
     Returns: int32 [M, n_blocks] block ids in ascending order, then -1 (for blocks scoring -inf).
+    Out-of-range values (refused only in checked mode, flashkern.checks): any int32 row_end is safe, clamped to [0, N]
+    (the kept newest block holds min(row_end, N) - 1; none when row_end <= 0).
     """
-    return call(CANDIDATE_BLOCKS, dict(logits=logits, row_end=row_end, n_blocks=n_blocks, block=block), backend, config)
+    inputs = dict(logits=logits, row_end=row_end, n_blocks=n_blocks, block=block)
+    return call(CANDIDATE_BLOCKS, inputs, backend, config, out)
 
 
-def sparse_mqa_logits(q, k, k_scale, w, ks, ke, blocks, *, top_k=512, block=8, q_scale=None, backend="auto",
-                      config=None):
+def sparse_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tensor, ke: Tensor, blocks: Tensor, *,
+                      top_k: int = 512, block: int = 8, q_scale: Tensor | None = None, backend: str = "auto",
+                      config: dict | None = None, out: Tensor | None = None) -> Tensor:
     """V4.1 second level: score only positions inside each row's candidate blocks (and [ks, ke)), keep the top_k.
 
     Args: q, k, k_scale, w, ks, ke, q_scale as mqa_logits; blocks: [M, n_blocks] int32 candidate block ids
     (-1 = none), e.g. from candidate_blocks; block: positions per block.
     Returns: int32 [M, top_k] absolute positions (in candidate order), then -1.
+    Out-of-range values (refused only in checked mode, flashkern.checks): ks, ke as mqa_logits; a block id outside
+    [0, ceil(N / block)) counts as -1 (its slots score -inf); no key outside [0, N) is read.
     """
     inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, blocks=blocks, top_k=top_k, block=block,
                   q_scale=q_scale)
-    return call(SPARSE_MQA_LOGITS, inputs, backend, config)
+    return call(SPARSE_MQA_LOGITS, inputs, backend, config, out)
 
 
 MQA_LOGITS = Operator(
@@ -594,6 +685,9 @@ MQA_LOGITS = Operator(
                        tilelang_logits.LOGITS_SPACE, tilelang_logits.logits_default),
     ),
     check=check_mqa_logits,
+    outputs=logits_outputs,
+    check_values=_ragged_values,
+    prepare=kernel_views,
     make_inputs=make_logits_inputs,
     compare=compare_logits,
     cost=logits_cost,
@@ -612,6 +706,9 @@ PAGED_MQA_LOGITS = Operator(
                        tilelang_logits.PAGED_SPACE, tilelang_logits.paged_default),
     ),
     check=check_paged,
+    outputs=paged_outputs,
+    check_values=_paged_values,
+    prepare=kernel_views,
     make_inputs=make_paged_inputs,
     compare=compare_logits,
     cost=paged_cost,
@@ -629,6 +726,8 @@ TOPK_INDICES = Operator(
                        tilelang_topk.TOPK_SPACE, tilelang_topk.topk_default),
     ),
     check=check_topk,
+    outputs=topk_outputs,
+    check_values=_topk_values,
     make_inputs=make_topk_inputs,
     compare=compare_topk,
     cost=topk_cost,
@@ -647,6 +746,8 @@ CANDIDATE_BLOCKS = Operator(
                        tilelang_topk.BLOCKS_SPACE, tilelang_topk.blocks_default),
     ),
     check=check_candidates,
+    outputs=candidate_outputs,
+    check_values=_candidate_values,
     make_inputs=make_candidate_inputs,
     compare=compare_candidates,
     cost=candidates_cost,
@@ -665,6 +766,9 @@ SPARSE_MQA_LOGITS = Operator(
                        tilelang_logits.SPARSE_SPACE, tilelang_logits.sparse_default),
     ),
     check=check_sparse,
+    outputs=sparse_outputs,
+    check_values=_sparse_values,
+    prepare=kernel_views,
     make_inputs=make_sparse_inputs,
     compare=compare_sparse,
     cost=sparse_cost,

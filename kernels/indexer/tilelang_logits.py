@@ -8,10 +8,11 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
      key_pos[n] = its absolute position (-1: none), bounds[r] = [lo, hi) of row r.
        dense   slots are positions n0 + n of k [N, D]; bounds [ks, ke); `rows` = block_m rows
        paged   slots are positions of sequence b; cache block block_table[b, p // bs] (read only
-               where some token sees p); bounds [0, context_lens[b] - next_n + j + 1), or
-               [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n
-       sparse  slot c of row m is position blocks[m, c // block] * block + c % block; bounds
-               [ks, ke); rows = 1
+               where some token sees p; an entry outside [0, cache blocks) gives key_pos -1 and
+               key_row 0); bounds [0, context_lens[b] - next_n + j + 1) (computed in int64, clamped to
+               [0, width]), or [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n
+       sparse  slot c of row m is position blocks[m, c // block] * block + c % block (-1 for an id
+               outside [0, ceil(N / block))); bounds [ks, ke) clamped to [0, N]; rows = 1
   2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC], queries of the rows (heads
      padded to HP, a power of two >= 16) -> q_tile [CH * rows * HP, DC] (chunk c of D in the
      c-th row block), operands exact in e4m3 on GPU (e2m1 codes converted), decoded fp32 on CPU;
@@ -28,6 +29,9 @@ context lengths) and 2-D context lengths are contiguous.
 The CPU flavour takes fp8 / packed fp4 data as uint8 and decodes it with the bit codecs; the
 tiling, index math, masks and summation order are the same code for both targets, and fixed,
 so repeated runs are bitwise identical.
+Index values are never trusted: key_row is always a row of the key table (clamped, or 0 where nothing is found),
+so any int32 in ks, ke, context lengths, block tables or candidate lists reads nothing outside a tensor, and
+key_pos / bounds make what it points at -inf (reference/indexer.py).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -226,10 +230,6 @@ def _data_arg(tensor, st: _Storage):
     return tensor if st.data != "uint8" else tensor.view(torch.uint8)
 
 
-def _logits(shape: tuple, bf16: bool, device):
-    return torch.empty(shape, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
-
-
 def _out_arg(logits, fl: Flavour):
     """The logits as the kernel takes them (bf16 travels as its uint16 bits on CPU)."""
     return fl.bf16_arg(logits) if logits.dtype == torch.bfloat16 else logits
@@ -271,15 +271,13 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
     return mqa_logits
 
 
-def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour):
+def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour, out):
     q, k = inputs["q"], inputs["k"]
     st = _Storage(problem.indexer, fl)
-    rows, keys = q.shape[0], k.shape[0]
-    logits = _logits((rows, keys), problem.bf16_logits, q.device)
-    if rows == 0 or keys == 0:
-        return None, logits
+    if out.numel() == 0:
+        return None
     return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 1, q.device), _data_arg(k, st), inputs["k_scale"],
-            inputs["w"], inputs["ks"], inputs["ke"], _out_arg(logits, fl)], logits
+            inputs["w"], inputs["ks"], inputs["ke"], _out_arg(out, fl)]
 
 
 # ---------------------------------------------------------------- paged_mqa_logits (decode)
@@ -319,30 +317,34 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
                 bounds[j, 0] = 0
                 if problem.lens_2d:  # per token: row b * next_n + j sees [0, context_lens[b, j])
                     bounds[j, 1] = T.if_then_else(chunk * RW + j < NEXT, Lens[b, T.min(chunk * RW + j, NEXT - 1)], 0)
-                else:  # per sequence: token j sees [0, context_lens[b] - next_n + j + 1)
-                    bounds[j, 1] = T.if_then_else(chunk * RW + j < NEXT, Lens[b] - NEXT + chunk * RW + j + 1, 0)
+                else:  # per sequence: token j sees [0, context_lens[b] - next_n + j + 1), in int64: no wrap
+                    end = T.Cast("int64", Lens[b]) - NEXT + chunk * RW + j + 1
+                    bounds[j, 1] = T.if_then_else(
+                        chunk * RW + j < NEXT, T.Cast("int32", T.max(T.min(end, T.Cast("int64", WIDTH)), 0)), 0)
             seen = T.alloc_var("int32", init=0)  # positions some token of the block sees
             for j in T.serial(RW):
                 seen = T.max(seen, bounds[j, 1])
             for n in fl.parallel(BN):
-                key_pos[n] = bx * BN + n
-                key_row[n] = T.if_then_else(  # table entries past the context may be garbage: never follow them
-                    bx * BN + n < seen, Table[b, T.min((bx * BN + n) // BS, MB - 1)], 0) * BS + (bx * BN + n) % BS
+                # the cache block; table entries past the context may be garbage: never follow them, nor any entry
+                # outside [0, NB) (its positions get no key: -inf)
+                key_row[n] = T.if_then_else(bx * BN + n < seen, Table[b, T.min((bx * BN + n) // BS, MB - 1)], -1)
+                found = (key_row[n] >= 0) & (key_row[n] < NB)
+                key_pos[n] = T.if_then_else(found, bx * BN + n, NO_POSITION)
+                key_row[n] = T.if_then_else(found, key_row[n], 0) * BS + (bx * BN + n) % BS
             tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, b * NEXT + chunk * RW, b * NEXT + NEXT,
                  bx * BN, bx * BN + BN - 1, bx * BN, WIDTH, Out)
 
     return paged_mqa_logits
 
 
-def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour):
-    q, k_cache, table = inputs["q"], inputs["k_cache"], inputs["block_table"]
+def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour, out):
+    q, k_cache = inputs["q"], inputs["k_cache"]
     st = _Storage(problem.indexer, fl)
-    batch, next_n, bs = q.shape[0], q.shape[1], k_cache.shape[1]
-    logits = _logits((batch * next_n, table.shape[1] * bs), problem.bf16_logits, q.device)
-    if logits.numel() == 0 or k_cache.shape[0] == 0:  # no cache blocks: every context is empty
-        return None, logits.fill_(-torch.inf)
+    if out.numel() == 0 or k_cache.shape[0] == 0:  # no cache blocks: no key, every position -inf
+        out.fill_(-torch.inf)
+        return None
     return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 2, q.device), _data_arg(k_cache, st),
-            inputs["k_scale"], inputs["w"], table, inputs["context_lens"], _out_arg(logits, fl)], logits
+            inputs["k_scale"], inputs["w"], inputs["block_table"], inputs["context_lens"], _out_arg(out, fl)]
 
 
 # ---------------------------------------------------------------- sparse scores (inside candidate blocks)
@@ -371,19 +373,21 @@ def sparse_scores_program(problem: SparseProblem, config: dict, fl: Flavour):
         with T.Kernel(T.ceildiv(WIDTH, BN), M, threads=config["threads"]) as (bx, m):
             key_row, key_pos, bounds = _addressing(fl, 1, BN)
             for n in fl.parallel(BN):
-                key_pos[n] = T.if_then_else(
-                    (bx * BN + n < WIDTH) & (Blocks[m, T.min((bx * BN + n) // BLK, NB - 1)] >= 0),
-                    Blocks[m, T.min((bx * BN + n) // BLK, NB - 1)] * BLK + (bx * BN + n) % BLK, NO_POSITION)
+                # the candidate block id; one outside [0, ceil(N / BLK)) (-1 included) is no candidate
+                key_row[n] = T.if_then_else(bx * BN + n < WIDTH, Blocks[m, T.min((bx * BN + n) // BLK, NB - 1)], -1)
+                key_pos[n] = T.if_then_else((key_row[n] >= 0) & (key_row[n] < T.ceildiv(N, BLK)),
+                                            key_row[n] * BLK + (bx * BN + n) % BLK, NO_POSITION)
                 key_row[n] = T.max(T.min(key_pos[n], N - 1), 0)
-            for r in fl.parallel(1):
-                bounds[r, 0] = Ks[m]
-                bounds[r, 1] = Ke[m]
+            for r in fl.parallel(1):  # clamped to [0, N]: NO_POSITION and positions past the keys are never visible
+                bounds[r, 0] = T.max(Ks[m], 0)
+                bounds[r, 1] = T.min(Ke[m], N)
             tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, m, M, 0, LAST_POSITION, bx * BN, WIDTH, Out)
 
     return sparse_scores
 
 
 def sparse_scores_args(problem: SparseProblem, inputs: dict, fl: Flavour):
+    """(arguments of the scoring stage, or None when it has nothing to launch, and the scores it fills)."""
     q, k, blocks = inputs["q"], inputs["k"], inputs["blocks"]
     st = _Storage(problem.indexer, fl)
     scores = torch.empty((q.shape[0], problem.candidates), dtype=torch.float32, device=q.device)

@@ -21,9 +21,10 @@ positions from its start to its end.
      `items` consecutive positions (packed in one int32: above + 65536 x equal), an inclusive
      scan over the threads gives every thread its output offset (T.cumsum on GPU, a serial
      loop on CPU), and each thread writes its taken positions in ascending order.
-Variants: starts (the row is [start, end) instead of [0, end)), drop_neg_inf (keys of -inf and
-NaN are not eligible) and an index map for the sparse path (emitted c -> blocks[m, c // B] * B
-+ c % B). Values may be fp32 or bf16 (decoded exactly to fp32) and row-strided.
+Variants: starts (the row is [start, end) instead of [0, end); any int32 starts and ends are clamped to
+[0, W]), drop_neg_inf (keys of -inf and NaN are not eligible) and an index map for the sparse path
+(emitted c -> blocks[m, c // B] * B + c % B). Values may be fp32 or bf16 (decoded exactly to fp32) and
+row-strided.
 sorted=True adds a launch that puts the chosen positions in rank order (rank_order_program).
 candidate_blocks is two launches: block scores [M, ceil(N / block)] (a thread per block; a zero
 maximum stored as +0.0), then the top-k stage over them with drop_neg_inf.
@@ -114,8 +115,9 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
             tile_keys = fl.fragment((tile,), "int32")  # the keys of a tile's positions, each computed once
             thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
 
-            start = T.alloc_var("int32", Starts[m] if has_starts else 0)
-            end = T.alloc_var("int32", Ends[m])
+            # any int32 starts / ends: the row's positions are [max(start, 0), min(end, W)), empty when start >= end
+            start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
+            end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
             tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
             wanted = T.alloc_var("int32", k)  # keys still to take inside the current prefix
             prefix = T.alloc_var("int32", 0)  # digits fixed so far (sign-flipped key bits) ...
@@ -205,20 +207,21 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
     return topk_stage
 
 
-def topk_stage_args(values, ends, k: int, fl: Flavour, *, starts=None, blocks=None):
-    """Arguments of topk_stage_program's kernel (ends None: every row ends at W) and the output [M, k]."""
+def topk_stage_args(values, ends, out, fl: Flavour, *, starts=None, blocks=None):
+    """Arguments of topk_stage_program's kernel writing out int32 [M, k] (ends None: every row ends at W), or None
+    when there is nothing to launch (no rows or no positions: out filled with -1 here)."""
     rows, width = values.shape
     device = values.device
     if rows == 0 or width == 0:
-        return None, torch.full((rows, k), -1, dtype=torch.int32, device=device)
-    out = torch.empty((rows, k), dtype=torch.int32, device=device)
+        out.fill_(-1)
+        return None
     if ends is None:
         ends = torch.full((rows,), width, dtype=torch.int32, device=device)
     if starts is None:
         starts = torch.zeros(1, dtype=torch.int32, device=device)
     if blocks is None:
         blocks = torch.zeros((1, 1), dtype=torch.int32, device=device)
-    return [_values_arg(values, fl), ends, starts, blocks, out], out
+    return [_values_arg(values, fl), ends, starts, blocks, out]
 
 
 def _values_arg(values, fl: Flavour):
@@ -283,13 +286,16 @@ def topk_program(problem: TopkProblem, config: dict, fl: Flavour):
     return (select, rank_order_program(config, fl, bf16=problem.bf16_logits)) if problem.by_score else select
 
 
-def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour):
+def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour, out):
     logits = inputs["logits"]
-    select_args, chosen = topk_stage_args(logits, inputs["ends"], inputs["k"], fl, starts=inputs["starts"])
-    if not problem.by_score or select_args is None:
-        return select_args, chosen
-    out = torch.empty_like(chosen)
-    return (select_args, [_values_arg(logits, fl), chosen, out]), out
+    if not problem.by_score:
+        return topk_stage_args(logits, inputs["ends"], out, fl, starts=inputs["starts"])
+    chosen = torch.empty_like(out)  # ascending, between the stages
+    select_args = topk_stage_args(logits, inputs["ends"], chosen, fl, starts=inputs["starts"])
+    if select_args is None:  # nothing chosen: the rank order is all -1 too
+        out.fill_(-1)
+        return None
+    return select_args, [_values_arg(logits, fl), chosen, out]
 
 
 # GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a), threads x items: 128x32 40
@@ -320,8 +326,8 @@ def topk_default(problem: TopkProblem) -> dict:
 
 
 def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = False):
-    """Block scores [M, NB] of logits [M, N] (fp32, or bf16 with bf16; row-strided) below row_end [M] (NaN as -inf,
-    the newest block +inf), a thread each."""
+    """Block scores [M, NB] of logits [M, N] (fp32, or bf16 with bf16; row-strided) below end = clamp(row_end, 0, N)
+    (NaN as -inf, the block holding end - 1 +inf), a thread each."""
     per_block = config["score_threads"]
     rows, width, n_blocks = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB")
     inf = T.infinity("float32")
@@ -335,7 +341,7 @@ def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = Fal
     ):
         with T.Kernel(rows, T.ceildiv(n_blocks, per_block), threads=per_block) as (m, bx):  # rows may pass 65535: x
             best = fl.fragment((per_block,), "float32")
-            end = T.alloc_var("int32", RowEnd[m])
+            end = T.alloc_var("int32", T.max(T.min(RowEnd[m], width), 0))  # any int32 row_end: clamped to [0, N]
             for b in fl.parallel(per_block):
                 best[b] = -inf
                 for j in T.serial(block):
@@ -357,14 +363,14 @@ def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
             topk_stage_program(config, fl, drop_neg_inf=True))
 
 
-def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavour):
-    logits, row_end, n_blocks = inputs["logits"], inputs["row_end"], inputs["n_blocks"]
+def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavour, out):
+    logits, row_end = inputs["logits"], inputs["row_end"]
     rows, width = logits.shape
-    if rows == 0 or width == 0:
-        return None, torch.full((rows, n_blocks), -1, dtype=torch.int32, device=logits.device)
+    if rows == 0 or width == 0:  # no blocks: all -1
+        out.fill_(-1)
+        return None
     scores = torch.empty((rows, problem.blocks), dtype=torch.float32, device=logits.device)
-    select_args, out = topk_stage_args(scores, None, n_blocks, fl)
-    return ([_values_arg(logits, fl), row_end, scores], select_args), out
+    return [_values_arg(logits, fl), row_end, scores], topk_stage_args(scores, None, out, fl)
 
 
 BLOCKS_SPACE = Space(

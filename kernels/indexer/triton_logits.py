@@ -12,12 +12,16 @@ put while it walks the span one key tile at a time:
      blocks[m, c // block] and slot c % block) and the rows that may see it ([ks, ke) per row;
      paged: [0, context_lens[b] - next_n + j + 1), or [0, context_lens[b, j]) for 2-D lengths);
   2. a tile no row may see is stored as -inf and nothing else is read;
-  3. otherwise key storage rows (paged: through the block table, read only where seen), then
+  3. otherwise key storage rows (paged: through the block table, read only where seen; an entry outside
+     [0, cache blocks) reads nothing and its positions are -inf), then
      S = K Q^T [BLOCK_N, ROWS x H] in fp32: one fp8 dot over D, or for MXFP4 one dot per 32
      values of D on e2m1 codes decoded to e4m3 in registers (exact), each scaled by its two
      ue8m0 block scales (a power of two: exact; 0xFF is NaN) and summed in chunk order;
   4. relu (NaN kept), times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf
      masked, stored as fp32 or rounded to nearest-even bf16.
+Index values are never trusted: any int32 in ks, ke, context lengths, block tables or candidate lists addresses
+nothing outside its tensor (keys are read only at columns in [0, width), through table entries and candidate ids
+checked against the cache's blocks and the key count), and what it points at scores -inf (reference/indexer.py).
 Every input is addressed through its strides (all but the last dimension, which is unit-stride):
 q, q_scale and w per row and head, keys and their scales per position or per (cache block, slot),
 block tables and candidate lists per row; context lengths, ks and ke are contiguous.
@@ -65,11 +69,13 @@ def _mxfp4_chunk(packed_ptr, data_row, scale_ptr, scale_row, rows_ok, chunk):
 
 @triton.jit
 def _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Absolute key position of each output column and whether that key exists."""
+    """Absolute key position of each output column and whether that key exists (sparse: a candidate block id outside
+    [0, ceil(keys / BLOCK)), -1 included, has none)."""
     if MODE == SPARSE:
         block_id = tl.load(blocks_ptr + group.to(tl.int64) * stride_table + col // BLOCK, mask=col < width, other=-1)
-        position = block_id * BLOCK + col % BLOCK
-        exists = (block_id >= 0) & (position < keys)
+        listed = (block_id >= 0) & (block_id < tl.cdiv(keys, BLOCK))
+        position = tl.where(listed, block_id, 0) * BLOCK + col % BLOCK  # no overflow from a garbage id
+        exists = listed & (position < keys)
     else:
         position = col
         exists = col < width
@@ -77,17 +83,19 @@ def _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE: tl.c
 
 
 @triton.jit
-def _key_rows(position, needed, group, table_ptr, stride_table, stride_k_page, stride_k_slot, stride_ks_page,
+def _key_rows(position, needed, group, keys, table_ptr, stride_table, stride_k_page, stride_k_slot, stride_ks_page,
               stride_ks_slot, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """int64 offsets of each needed key's data and scales: slot p % BLOCK of cache block table[b, p // BLOCK]
-    (paged), or row p of a flat key table."""
+    """int64 offsets of each needed key's data and scales, and which needed keys are found: slot p % BLOCK of cache
+    block table[b, p // BLOCK] when that entry is in [0, keys) (paged; `keys` = cache blocks; another entry finds
+    nothing and addresses block 0), or row p of a flat key table (always found)."""
     if MODE == PAGED:
-        page = tl.load(table_ptr + group.to(tl.int64) * stride_table + position // BLOCK, mask=needed, other=0)
-        page = page.to(tl.int64)
+        page = tl.load(table_ptr + group.to(tl.int64) * stride_table + position // BLOCK, mask=needed, other=-1)
+        found = needed & (page >= 0) & (page < keys)
+        page = tl.where(found, page, 0).to(tl.int64)
         slot = position % BLOCK
-        return page * stride_k_page + slot * stride_k_slot, page * stride_ks_page + slot * stride_ks_slot
+        return page * stride_k_page + slot * stride_k_slot, page * stride_ks_page + slot * stride_ks_slot, found
     position = position.to(tl.int64)
-    return position * stride_k_page, position * stride_ks_page
+    return position * stride_k_page, position * stride_ks_page, needed
 
 
 @triton.jit
@@ -115,7 +123,7 @@ def indexer_logits_kernel(
     ks_ptr, ke_ptr,  # dense and sparse: each row's visible positions [ks, ke)
     table_ptr, context_ptr,  # paged: block table [B, *], context lengths [B] or [B, next_n]
     blocks_ptr,  # sparse: candidate blocks [M, *]
-    rows, keys, width,
+    rows, keys, width,  # keys: key rows of a flat table (dense, sparse), cache blocks (paged)
     # element strides: q and q_scale per program group, row within it and head; w per row and head; keys and
     # their scales per page (flat key tables: per position) and slot; block table / candidate blocks per row
     stride_q_group, stride_q_row, stride_q_head, stride_qs_group, stride_qs_row, stride_qs_head,
@@ -134,12 +142,15 @@ def indexer_logits_kernel(
     # the program's query rows and the positions each sees: lo <= position < hi
     row = first + tl.arange(0, ROWS_PAD)
     row_ok = row < end
+    # (any int32 bound: positions are columns in [0, width), so only the order of lo and hi matters; paged ends are
+    # computed in int64 and clamped to [0, width], so that a length near the int32 limits does not wrap)
     if MODE == PAGED:
         lo = tl.zeros((ROWS_PAD,), tl.int32)
         if LENS_2D:  # [B, next_n]: row b * next_n + j sees [0, context_lens[b, j])
             hi = tl.load(context_ptr + row, mask=row_ok, other=0)
         else:  # [B]: token j sees [0, context_lens[b] - next_n + j + 1)
-            hi = tl.where(row_ok, tl.load(context_ptr + group) - GROUP_ROWS + 1 + (row - group_first), 0)
+            token_end = tl.load(context_ptr + group).to(tl.int64) - GROUP_ROWS + 1 + (row - group_first)
+            hi = tl.where(row_ok, tl.minimum(tl.maximum(token_end, 0), width).to(tl.int32), 0)
     else:
         lo = tl.load(ks_ptr + row, mask=row_ok, other=0)
         hi = tl.load(ke_ptr + row, mask=row_ok, other=0)
@@ -170,8 +181,8 @@ def indexer_logits_kernel(
         needed = exists & (position >= lo_min) & (position < hi_max)  # what some row sees (and gaps between rows)
         logits = tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32)
         if tl.max(needed.to(tl.int32), axis=0) > 0:
-            k_row, ks_row = _key_rows(position, needed, group, table_ptr, stride_table, stride_k_page, stride_k_slot,
-                                      stride_ks_page, stride_ks_slot, MODE, BLOCK)
+            k_row, ks_row, needed = _key_rows(position, needed, group, keys, table_ptr, stride_table, stride_k_page,
+                                              stride_k_slot, stride_ks_page, stride_ks_slot, MODE, BLOCK)
             S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row, needed,
                            FP4, D, BLOCK_D)
             relu = tl.where(S < 0.0, 0.0, S)  # NaN stays NaN (a 0xFF scale), as the reference's relu
@@ -180,7 +191,7 @@ def indexer_logits_kernel(
             if not FP4:
                 scores = scores * tl.load(k_scale_ptr + ks_row, mask=needed, other=0.0)[:, None]
             p = position[:, None]
-            visible = exists[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
+            visible = needed[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
             logits = tl.where(visible, scores, float("-inf"))
         if BF16:
             logits = round_to_bf16(logits)  # the interpreter's cast truncates; rounded first, it is exact
@@ -236,38 +247,32 @@ def _unused_addressing() -> dict:
     return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, stride_table=0)
 
 
-def _logits_dtype(problem) -> torch.dtype:
-    return torch.bfloat16 if problem.bf16_logits else torch.float32
-
-
-def plan_mqa_logits(problem, inputs: dict, config: dict):
-    """Dense logits [M, N]: programs of block_m rows x a span of key tiles."""
+def plan_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor):
+    """Dense logits into out [M, N]: programs of block_m rows x a span of key tiles."""
     m, n = problem.rows, problem.keys
-    logits = torch.empty(m, n, dtype=_logits_dtype(problem), device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
-                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=logits, ks_ptr=inputs["ks"],
+                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=out, ks_ptr=inputs["ks"],
                 ke_ptr=inputs["ke"], rows=m, keys=n, width=n, **_query_strides(inputs, config["block_m"]),
                 **_key_strides(inputs["k"], inputs["k_scale"]),
                 **_indexer_constexprs(problem.indexer, config["block_m"], DENSE.value, 1, config,
                                       bf16=problem.bf16_logits))
-    return _launch(triton.cdiv(m, config["block_m"]), n, config, args), logits
+    return _launch(triton.cdiv(m, config["block_m"]), n, config, args)
 
 
-def plan_paged_mqa_logits(problem, inputs: dict, config: dict):
-    """Decode logits [B * next_n, max_blocks * block_size]: a program per block_rows tokens of a sequence x a span of
-    positions."""
+def plan_paged_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor):
+    """Decode logits into out [B * next_n, max_blocks * block_size]: a program per block_rows tokens of a sequence x
+    a span of positions."""
     rows, width = problem.batch * problem.next_n, problem.width
-    logits = torch.empty(rows, width, dtype=_logits_dtype(problem), device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
-                k_ptr=inputs["k_cache"], k_scale_ptr=inputs["k_scale"], out_ptr=logits,
+                k_ptr=inputs["k_cache"], k_scale_ptr=inputs["k_scale"], out_ptr=out,
                 table_ptr=inputs["block_table"], context_ptr=inputs["context_lens"],
-                stride_table=inputs["block_table"].stride(0), rows=rows, keys=0, width=width,
+                stride_table=inputs["block_table"].stride(0), rows=rows, keys=inputs["k_cache"].shape[0], width=width,
                 **_query_strides(inputs, problem.next_n), **_key_strides(inputs["k_cache"], inputs["k_scale"]),
                 **_indexer_constexprs(problem.indexer, paged_rows(problem, config), PAGED.value, problem.block_size,
                                       config, lens_2d=problem.lens_2d, bf16=problem.bf16_logits,
                                       group_rows=problem.next_n))
     programs = problem.batch * triton.cdiv(problem.next_n, paged_rows(problem, config))
-    return _launch(programs, width, config, args), logits
+    return _launch(programs, width, config, args)
 
 
 def plan_sparse_scores(problem, inputs: dict, config: dict):

@@ -19,8 +19,8 @@ Tile plan of the top-k stage: a program owns BLOCK_M rows and walks their column
      keys equal to it; each taken position goes to its running output slot (a prefix sum of the
      take mask), so the output is ascending and the same on every run.
   3. -1 padding after the taken positions.
-Optional per row: starts/ends (default the whole row), -inf and NaN not eligible (drop_neg_inf),
-and an index map for the sparse path (column c -> blocks[m, c // block] * block + c % block).
+Optional per row: starts/ends (default the whole row; any int32, clamped to [0, width]), -inf and NaN not
+eligible (drop_neg_inf), and an index map for the sparse path (column c -> blocks[m, c // block] * block + c % block).
 
 With sorted=True a second launch puts the chosen positions in rank order (rank_order_kernel): the
 rank of a chosen key is the number of chosen keys above it plus the equal ones at lower positions.
@@ -29,7 +29,7 @@ Logits may be fp32 or bf16 and row-strided (unit stride along the row).
 
 Candidate blocks run two launches: block scores (a program per TILE_BLOCKS blocks of the flattened
 [rows, blocks] scores, each block a row of a [TILE_BLOCKS, block] tile: the max order key (+0.0 above -0.0) of its
-positions below row_end, NaN as -inf; the block holding row_end - 1 is +inf), then the top-k stage
+positions below end = clamp(row_end, 0, N), NaN as -inf; the block holding end - 1 is +inf), then the top-k stage
 over the scores with -inf not eligible.
 """
 
@@ -80,11 +80,11 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
     row = row.to(tl.int64)
     row_values = values_ptr + row * stride_row
     start = tl.zeros((BLOCK_M,), tl.int32)
-    if starts_ptr is not None:
-        start = tl.load(starts_ptr + row, mask=row_ok, other=0)
+    if starts_ptr is not None:  # any int32: the row's columns are [max(start, 0), min(end, width))
+        start = tl.maximum(tl.load(starts_ptr + row, mask=row_ok, other=0), 0)
     end = tl.where(row_ok, width, 0)
     if ends_ptr is not None:
-        end = tl.load(ends_ptr + row, mask=row_ok, other=0)
+        end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
     first_tile = tl.min(start) // BLOCK_N
     end_tile = tl.cdiv(tl.max(end), BLOCK_N)
     bins = tl.arange(0, RADIX_BINS)[None, :]
@@ -164,13 +164,13 @@ def rank_order_kernel(values_ptr, stride_row, chosen_ptr, out_ptr, k, BLOCK_I: t
 
 
 @triton.jit
-def block_max_kernel(logits_ptr, stride_row, row_end_ptr, scores_ptr, n_scores, total_scores,
+def block_max_kernel(logits_ptr, stride_row, width, row_end_ptr, scores_ptr, n_scores, total_scores,
                      BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr):
     score = tl.program_id(0).to(tl.int64) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # flat [rows, n_scores] index
     score_ok = score < total_scores
     row = score // n_scores
     block_id = score % n_scores
-    end = tl.load(row_end_ptr + row, mask=score_ok, other=0)
+    end = tl.minimum(tl.maximum(tl.load(row_end_ptr + row, mask=score_ok, other=0), 0), width)  # any int32 row_end
     slot = tl.arange(0, BLOCK_PAD)[None, :]
     position = block_id[:, None] * BLOCK + slot
     x = tl.load(logits_ptr + row[:, None] * stride_row + position, mask=(slot < BLOCK) & (position < end[:, None]),
@@ -184,15 +184,16 @@ def block_max_kernel(logits_ptr, stride_row, row_end_ptr, scores_ptr, n_scores, 
 # ---------------------------------------------------------------- plans
 
 
-def topk_launch(values, ends, k, config, *, starts=None, drop_neg_inf=False, blocks=None, block=1):
-    """The top-k stage over values [M, W] (fp32 or bf16, row-strided): (Launch, out int32 [M, k]), ascending positions.
+def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, blocks=None, block=1) -> Launch:
+    """The top-k stage over values [M, W] (fp32 or bf16, row-strided) into out int32 [M, k]: ascending positions.
 
-    ends/starts [M] int32 or None (the whole row); drop_neg_inf: -inf and NaN are not eligible;
-    blocks [M, W // block] int32 (row-strided) or None: emitted column c becomes blocks[m, c // block] * block + c % block.
+    ends/starts [M] int32 (any values: clamped to [0, W]) or None (the whole row); drop_neg_inf: -inf and NaN are not
+    eligible; blocks [M, W // block] int32 (row-strided) or None: emitted column c becomes
+    blocks[m, c // block] * block + c % block.
     """
     rows, width = values.shape
-    out = torch.empty((rows, k), dtype=torch.int32, device=values.device)
-    launch = Launch(
+    k = out.shape[1]
+    return Launch(
         topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
         args=dict(values_ptr=values, stride_row=values.stride(0), rows=rows, width=width, starts_ptr=starts,
                   ends_ptr=ends, blocks_ptr=blocks, stride_blocks=0 if blocks is None else blocks.stride(0),
@@ -200,42 +201,39 @@ def topk_launch(values, ends, k, config, *, starts=None, drop_neg_inf=False, blo
                   BLOCK_N=config["block_n"]),
         num_warps=config["num_warps"],
     )
-    return launch, out
 
 
-def rank_order_launch(values, chosen, config):
-    """The rank-order stage: (Launch, out int32 [M, k]) holding chosen's positions, the largest value first."""
+def rank_order_launch(values, chosen, out, config) -> Launch:
+    """The rank-order stage: chosen's positions into out int32 [M, k], the largest value first."""
     rows, k = chosen.shape
-    out = torch.empty((rows, k), dtype=torch.int32, device=values.device)
     block_i, block_j = _rank_tiles(k, config)
-    launch = Launch(rank_order_kernel, grid=(rows,),
-                    args=dict(values_ptr=values, stride_row=values.stride(0), chosen_ptr=chosen, out_ptr=out, k=k,
-                              BLOCK_I=block_i, BLOCK_J=block_j),
-                    num_warps=config["num_warps"])
-    return launch, out
+    return Launch(rank_order_kernel, grid=(rows,),
+                  args=dict(values_ptr=values, stride_row=values.stride(0), chosen_ptr=chosen, out_ptr=out, k=k,
+                            BLOCK_I=block_i, BLOCK_J=block_j),
+                  num_warps=config["num_warps"])
 
 
-def plan_topk(problem, inputs, config):
-    select, chosen = topk_launch(inputs["logits"], inputs["ends"], inputs["k"], config, starts=inputs["starts"])
+def plan_topk(problem, inputs, config, out):
     if not problem.by_score:
-        return select, chosen
-    order, out = rank_order_launch(inputs["logits"], chosen, config)
-    return (select, order), out
+        return topk_launch(inputs["logits"], inputs["ends"], out, config, starts=inputs["starts"])
+    chosen = torch.empty_like(out)  # ascending, between the stages
+    return (topk_launch(inputs["logits"], inputs["ends"], chosen, config, starts=inputs["starts"]),
+            rank_order_launch(inputs["logits"], chosen, out, config))
 
 
-def plan_candidate_blocks(problem, inputs, config):
+def plan_candidate_blocks(problem, inputs, config, out):
     logits, block = inputs["logits"], inputs["block"]
     scores = torch.empty((problem.rows, problem.blocks), dtype=torch.float32, device=logits.device)
     tile = config["tile_blocks"]
     block_max = Launch(
         block_max_kernel, grid=(triton.cdiv(problem.rows * problem.blocks, tile),),
-        args=dict(logits_ptr=logits, stride_row=logits.stride(0), row_end_ptr=inputs["row_end"], scores_ptr=scores,
-                  n_scores=problem.blocks, total_scores=problem.rows * problem.blocks, BLOCK=block,
-                  BLOCK_PAD=triton.next_power_of_2(block), TILE_BLOCKS=tile),
+        args=dict(logits_ptr=logits, stride_row=logits.stride(0), width=problem.positions,
+                  row_end_ptr=inputs["row_end"], scores_ptr=scores, n_scores=problem.blocks,
+                  total_scores=problem.rows * problem.blocks, BLOCK=block, BLOCK_PAD=triton.next_power_of_2(block),
+                  TILE_BLOCKS=tile),
         num_warps=config["num_warps"],
     )
-    select, out = topk_launch(scores, None, inputs["n_blocks"], config, drop_neg_inf=True)
-    return (block_max, select), out
+    return block_max, topk_launch(scores, None, out, config, drop_neg_inf=True)
 
 
 # ---------------------------------------------------------------- spaces and defaults

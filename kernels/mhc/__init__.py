@@ -14,14 +14,17 @@ The math is in flashkern.reference.mhc.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from flashkern import checks
 from flashkern.dispatch import call
 from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.mhc import tilelang_mhc, triton_mhc
-from flashkern.kernels.mhc.problem import MODEL_HIDDEN, MhcProblem, SinkhornProblem
+from flashkern.kernels.mhc.problem import (MODEL_HIDDEN, MhcProblem, SinkhornProblem, empty_chain_outputs,
+                                       empty_pre_outputs, empty_residual, empty_sinkhorn_output)
 from flashkern.reference import mhc as ref
+from flashkern.reference.mhc import ChainOutputs, PreOutputs
 from flashkern.registry import Cost, Implementation, Operator
 
 __all__ = ["MhcProblem", "SinkhornProblem", "OPERATORS", "PRE_TOLERANCES", "compare_outputs"]
@@ -277,7 +280,8 @@ POST_PRE_PRESETS = {"smoke": (MhcProblem(1, 256, collapse="carried"), MhcProblem
 # ---------------------------------------------------------------- entry points and records
 
 
-def sinkhorn(x, iters=20, eps=1e-6, *, backend="auto", config=None):
+def sinkhorn(x: Tensor, iters: int = 20, eps: float = 1e-6, *, backend: str = "auto", config: dict | None = None,
+             out: Tensor | None = None) -> Tensor:
     """Near doubly-stochastic projection of n x n logits (fp32).
 
     m = softmax(x, rows) + eps; m /= (column sums + eps); then iters - 1 times: m /= (row sums + eps),
@@ -288,12 +292,13 @@ def sinkhorn(x, iters=20, eps=1e-6, *, backend="auto", config=None):
     Returns:
         [..., n, n] fp32.
     """
-    return call(SINKHORN, dict(x=x, iters=iters, eps=eps), backend, config)
+    return call(SINKHORN, dict(x=x, iters=iters, eps=eps), backend, config, out)
 
 
-def mhc_pre(residual, fn, hc_scale, hc_base, *, pre_mix=None, delayed=None, rms_eps=1e-6, pre_eps=1e-6,
-            sinkhorn_eps=1e-6, post_mult=2.0, iters=20, norm_weight=None, norm_eps=1e-6, backend="auto",
-            config=None):
+def mhc_pre(residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, *, pre_mix: Tensor | None = None,
+            delayed: bool | None = None, rms_eps: float = 1e-6, pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6,
+            post_mult: float = 2.0, iters: int = 20, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
+            backend: str = "auto", config: dict | None = None, out: PreOutputs | None = None) -> PreOutputs:
     """The mHC pre block: gates from the RMS-scaled mixes of the residual streams, and the layer input.
 
     x = residual as [T, n*D] fp32; mix = (x @ fn^T) * rsqrt(mean(x^2) + rms_eps);
@@ -316,10 +321,11 @@ def mhc_pre(residual, fn, hc_scale, hc_base, *, pre_mix=None, delayed=None, rms_
     inputs = dict(residual=residual, fn=fn, hc_scale=hc_scale, hc_base=hc_base, pre_mix=pre_mix, delayed=delayed,
                   rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, iters=iters,
                   norm_weight=norm_weight, norm_eps=norm_eps)
-    return call(MHC_PRE, inputs, backend, config)
+    return call(MHC_PRE, inputs, backend, config, out)
 
 
-def mhc_post(y, residual, post, comb, *, backend="auto", config=None):
+def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto",
+             config: dict | None = None, out: Tensor | None = None) -> Tensor:
     """The mHC post block: out_j = bf16(post_j * y + sum_i comb[i, j] * residual_i) (note the transpose).
 
     Args:
@@ -327,12 +333,14 @@ def mhc_post(y, residual, post, comb, *, backend="auto", config=None):
     Returns:
         [T, n, D] bf16 new residual streams.
     """
-    return call(MHC_POST, dict(y=y, residual=residual, post=post, comb=comb), backend, config)
+    return call(MHC_POST, dict(y=y, residual=residual, post=post, comb=comb), backend, config, out)
 
 
-def mhc_post_pre(y, residual, post, comb, fn, hc_scale, hc_base, *, pre_mix=None, delayed=None, rms_eps=1e-6,
-                 pre_eps=1e-6, sinkhorn_eps=1e-6, post_mult=2.0, iters=20, norm_weight=None, norm_eps=1e-6,
-                 backend="auto", config=None):
+def mhc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor,
+                 *, pre_mix: Tensor | None = None, delayed: bool | None = None, rms_eps: float = 1e-6,
+                 pre_eps: float = 1e-6, sinkhorn_eps: float = 1e-6, post_mult: float = 2.0, iters: int = 20,
+                 norm_weight: Tensor | None = None, norm_eps: float = 1e-6, backend: str = "auto",
+                 config: dict | None = None, out: ChainOutputs | None = None) -> ChainOutputs:
     """The V4.1 chain in one call: mhc_post of the finished sublayer, then mhc_pre of the next.
 
     new = mhc_post(y, residual, post, comb); then mhc_pre on `new`: the next gates, and the layer input
@@ -350,7 +358,7 @@ def mhc_post_pre(y, residual, post, comb, fn, hc_scale, hc_base, *, pre_mix=None
     inputs = dict(y=y, residual=residual, post=post, comb=comb, fn=fn, hc_scale=hc_scale, hc_base=hc_base,
                   pre_mix=pre_mix, delayed=delayed, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps,
                   post_mult=post_mult, iters=iters, norm_weight=norm_weight, norm_eps=norm_eps)
-    return call(MHC_POST_PRE, inputs, backend, config)
+    return call(MHC_POST_PRE, inputs, backend, config, out)
 
 
 def _implementations(triton_plan, tilelang_program, tilelang_args, stem: str) -> tuple[Implementation, ...]:
@@ -368,7 +376,8 @@ SINKHORN = Operator(
     entry=sinkhorn, reference=ref.sinkhorn,
     implementations=_implementations(triton_mhc.plan_sinkhorn, tilelang_mhc.sinkhorn_program,
                                      tilelang_mhc.sinkhorn_args, "sinkhorn"),
-    check=check_sinkhorn, make_inputs=make_sinkhorn_inputs, compare=compare_sinkhorn, cost=sinkhorn_cost,
+    check=check_sinkhorn, outputs=empty_sinkhorn_output, make_inputs=make_sinkhorn_inputs, compare=compare_sinkhorn,
+    cost=sinkhorn_cost,
     presets=SINKHORN_PRESETS,
 )
 
@@ -376,7 +385,8 @@ MHC_PRE = Operator(
     name="mhc_pre", summary="mHC pre: GEMM + sum of squares, then gates, Sinkhorn and layer input fused",
     entry=mhc_pre, reference=ref.mhc_pre,
     implementations=_implementations(triton_mhc.plan_pre, tilelang_mhc.pre_program, tilelang_mhc.pre_args, "pre"),
-    check=check_pre, make_inputs=make_pre_inputs, compare=compare_outputs, cost=pre_cost, presets=PRE_PRESETS,
+    check=check_pre, outputs=empty_pre_outputs, make_inputs=make_pre_inputs, compare=compare_outputs, cost=pre_cost,
+    presets=PRE_PRESETS,
 )
 
 MHC_POST = Operator(
@@ -384,7 +394,8 @@ MHC_POST = Operator(
     entry=mhc_post, reference=ref.mhc_post,
     implementations=_implementations(triton_mhc.plan_post, tilelang_mhc.post_program, tilelang_mhc.post_args,
                                      "post"),
-    check=check_post, make_inputs=make_post_inputs, compare=compare_post, cost=post_cost, presets=POST_PRESETS,
+    check=check_post, outputs=empty_residual, make_inputs=make_post_inputs, compare=compare_post, cost=post_cost,
+    presets=POST_PRESETS,
 )
 
 MHC_POST_PRE = Operator(
@@ -392,7 +403,8 @@ MHC_POST_PRE = Operator(
     entry=mhc_post_pre, reference=ref.mhc_post_pre,
     implementations=_implementations(triton_mhc.plan_post_pre, tilelang_mhc.post_pre_program,
                                      tilelang_mhc.post_pre_args, "pre"),
-    check=check_post_pre, make_inputs=make_post_pre_inputs, compare=compare_outputs, cost=post_pre_cost,
+    check=check_post_pre, outputs=empty_chain_outputs, make_inputs=make_post_pre_inputs, compare=compare_outputs,
+    cost=post_pre_cost,
     presets=POST_PRE_PRESETS,
 )
 

@@ -59,7 +59,12 @@ class MhcProblem(SizedProblem):
         return self.streams * self.hidden
 
 
-def empty_pre_outputs(problem: MhcProblem, device) -> PreOutputs:
+def empty_sinkhorn_output(problem: SinkhornProblem, inputs: dict, device) -> torch.Tensor:
+    """Uninitialized fp32 matrices shaped as x [..., n, n]."""
+    return torch.empty(inputs["x"].shape, dtype=torch.float32, device=device)
+
+
+def empty_pre_outputs(problem: MhcProblem, inputs: dict, device) -> PreOutputs:
     t, n = problem.tokens, problem.streams
     return PreOutputs(
         layer_input=torch.empty(t, problem.hidden, dtype=torch.bfloat16, device=device),
@@ -69,12 +74,12 @@ def empty_pre_outputs(problem: MhcProblem, device) -> PreOutputs:
     )
 
 
-def empty_residual(problem: MhcProblem, device) -> torch.Tensor:
+def empty_residual(problem: MhcProblem, inputs: dict, device) -> torch.Tensor:
     return torch.empty(problem.tokens, problem.streams, problem.hidden, dtype=torch.bfloat16, device=device)
 
 
-def empty_chain_outputs(problem: MhcProblem, device) -> ChainOutputs:
-    return ChainOutputs(empty_residual(problem, device), *empty_pre_outputs(problem, device))
+def empty_chain_outputs(problem: MhcProblem, inputs: dict, device) -> ChainOutputs:
+    return ChainOutputs(empty_residual(problem, inputs, device), *empty_pre_outputs(problem, inputs, device))
 
 
 def empty_partials(problem: MhcProblem, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,10 +43,7 @@ from flashkern.kernels._tilelang import Flavour
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
     SinkhornProblem,
-    empty_chain_outputs,
     empty_partials,
-    empty_pre_outputs,
-    empty_residual,
     split_plan,
 )
 from flashkern.reference.mhc import COLLAPSES
@@ -154,13 +151,11 @@ def sinkhorn_program(problem: SinkhornProblem, config: dict, fl: Flavour):
     return mhc_sinkhorn
 
 
-def sinkhorn_args(problem: SinkhornProblem, inputs: dict, config: dict, fl: Flavour):
-    x = inputs["x"]
-    out = torch.empty_like(x)
+def sinkhorn_args(problem: SinkhornProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.matrices == 0:
-        return None, out
+        return None
     n = problem.n
-    return [x.view(-1, n, n), out.view(-1, n, n), int(inputs["iters"]), float(inputs["eps"])], out
+    return [inputs["x"].view(-1, n, n), out.view(-1, n, n), int(inputs["iters"]), float(inputs["eps"])]
 
 
 # ---------------------------------------------------------------- post
@@ -190,12 +185,11 @@ def post_program(problem: MhcProblem, config: dict, fl: Flavour):
     return mhc_post
 
 
-def post_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
-    out = empty_residual(problem, inputs["residual"].device)
+def post_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
-        return None, out
+        return None
     return [fl.bf16_arg(inputs["y"]), fl.bf16_arg(inputs["residual"]), inputs["post"], inputs["comb"],
-            fl.bf16_arg(out)], out
+            fl.bf16_arg(out)]
 
 
 # ---------------------------------------------------------------- pre / post_pre: the GEMM stage
@@ -426,14 +420,13 @@ def pre_program(problem: MhcProblem, config: dict, fl: Flavour):
     return _gemm_program(problem, config, fl, post_first=False), _epilogue_program(problem, config, fl)
 
 
-def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
-    residual = inputs["residual"]
-    outputs = empty_pre_outputs(problem, residual.device)
+def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
-        return None, outputs
+        return None
+    residual = inputs["residual"]
     partials = _partials(problem, config, residual.device)
     gemm = [fl.bf16_arg(residual), _fn_arg(problem, inputs["fn"]), *partials]
-    return (gemm, _epilogue_args(problem, inputs, fl, residual, partials, outputs)), outputs
+    return gemm, _epilogue_args(problem, inputs, fl, residual, partials, out)
 
 
 def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
@@ -441,15 +434,14 @@ def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
     return _gemm_program(problem, config, fl, post_first=True), _epilogue_program(problem, config, fl)
 
 
-def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour):
-    residual = inputs["residual"]
-    outputs = empty_chain_outputs(problem, residual.device)
+def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
-        return None, outputs
+        return None
+    residual = inputs["residual"]
     partials = _partials(problem, config, residual.device)
     gemm = [fl.bf16_arg(inputs["y"]), fl.bf16_arg(residual), inputs["post"], inputs["comb"],
-            _fn_arg(problem, inputs["fn"]), fl.bf16_arg(outputs.residual), *partials]
-    return (gemm, _epilogue_args(problem, inputs, fl, outputs.residual, partials, outputs[1:])), outputs
+            _fn_arg(problem, inputs["fn"]), fl.bf16_arg(out.residual), *partials]
+    return gemm, _epilogue_args(problem, inputs, fl, out.residual, partials, out[1:])
 
 
 # ---------------------------------------------------------------- tuning spaces

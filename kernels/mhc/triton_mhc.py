@@ -40,8 +40,7 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.mhc.problem import (empty_chain_outputs, empty_partials, empty_pre_outputs, empty_residual,
-                                           split_plan)
+from flashkern.kernels.mhc.problem import empty_partials, split_plan
 from flashkern.reference.mhc import mix_width
 
 
@@ -246,27 +245,23 @@ def _mix_pad(n: int) -> int:
     return max(16, triton.next_power_of_2(mix_width(n)))
 
 
-def plan_sinkhorn(problem, inputs: dict, config: dict):
+def plan_sinkhorn(problem, inputs: dict, config: dict, out):
     """Sinkhorn of x [..., n, n]: a program per block_b matrices."""
     x = inputs["x"]
-    out = torch.empty_like(x)
-    launch = Launch(mhc_sinkhorn_kernel, grid=(triton.cdiv(problem.matrices, config["block_b"]),),
-                    args=dict(x_ptr=x, out_ptr=out, matrices=problem.matrices, iters=int(inputs["iters"]),
-                              eps=float(inputs["eps"]), BLOCK_B=config["block_b"], **_streams(problem.n)),
-                    num_warps=config["num_warps"])
-    return launch, out
+    return Launch(mhc_sinkhorn_kernel, grid=(triton.cdiv(problem.matrices, config["block_b"]),),
+                  args=dict(x_ptr=x, out_ptr=out, matrices=problem.matrices, iters=int(inputs["iters"]),
+                            eps=float(inputs["eps"]), BLOCK_B=config["block_b"], **_streams(problem.n)),
+                  num_warps=config["num_warps"])
 
 
-def plan_post(problem, inputs: dict, config: dict):
+def plan_post(problem, inputs: dict, config: dict, out):
     """New residual streams [T, n, D]: a program per token and block_d columns."""
-    out = empty_residual(problem, inputs["y"].device)
     grid = (triton.cdiv(problem.tokens, config["block_t"]), triton.cdiv(problem.hidden, config["block_d"]))
-    launch = Launch(mhc_post_kernel, grid=grid,
-                    args=dict(y_ptr=inputs["y"], res_ptr=inputs["residual"], post_ptr=inputs["post"],
-                              comb_ptr=inputs["comb"], out_ptr=out, T=problem.tokens, D=problem.hidden,
-                              BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], **_streams(problem.streams)),
-                    num_warps=config["num_warps"])
-    return launch, out
+    return Launch(mhc_post_kernel, grid=grid,
+                  args=dict(y_ptr=inputs["y"], res_ptr=inputs["residual"], post_ptr=inputs["post"],
+                            comb_ptr=inputs["comb"], out_ptr=out, T=problem.tokens, D=problem.hidden,
+                            BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], **_streams(problem.streams)),
+                  num_warps=config["num_warps"])
 
 
 def _pre_launches(problem, inputs: dict, config: dict, outputs, post_args: dict | None) -> tuple[Launch, Launch]:
@@ -299,19 +294,16 @@ def _pre_launches(problem, inputs: dict, config: dict, outputs, post_args: dict 
     return gemm, epilogue
 
 
-def plan_pre(problem, inputs: dict, config: dict):
+def plan_pre(problem, inputs: dict, config: dict, out):
     """PreOutputs(layer_input, pre, post, comb): the GEMM stage on the residual, then the epilogue."""
-    outputs = empty_pre_outputs(problem, inputs["residual"].device)
-    return _pre_launches(problem, inputs, config, outputs, None), outputs
+    return _pre_launches(problem, inputs, config, out, None)
 
 
-def plan_post_pre(problem, inputs: dict, config: dict):
+def plan_post_pre(problem, inputs: dict, config: dict, out):
     """ChainOutputs(residual, layer_input, pre, post, comb): the GEMM stage on the post mapping (stored as the new
     residual), then the epilogue on the new residual."""
-    outputs = empty_chain_outputs(problem, inputs["residual"].device)
-    post_args = dict(y_ptr=inputs["y"], post_ptr=inputs["post"], comb_ptr=inputs["comb"],
-                     new_res_ptr=outputs.residual)
-    return _pre_launches(problem, inputs, config, outputs, post_args), outputs
+    post_args = dict(y_ptr=inputs["y"], post_ptr=inputs["post"], comb_ptr=inputs["comb"], new_res_ptr=out.residual)
+    return _pre_launches(problem, inputs, config, out, post_args)
 
 
 # ---------------------------------------------------------------- spaces and defaults

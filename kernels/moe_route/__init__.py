@@ -10,6 +10,7 @@ The math and the choices the spec leaves open are in flashkern.reference.moe_rou
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from flashkern import checks
 from flashkern.dispatch import call
@@ -17,7 +18,7 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.moe_route import tilelang_kernels as tl_kernels
 from flashkern.kernels.moe_route import triton_kernels as tr_kernels
-from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing  # noqa: F401 (public names)
+from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing, empty_outputs  # noqa: F401
 from flashkern.reference import moe_route as ref
 from flashkern.registry import Cost, Implementation, Operator
 
@@ -263,8 +264,10 @@ GATE_PRESETS = _presets(5120, 7168, True, model_tokens=(1, 16, 128, 1024, 4096),
 # ---------------------------------------------------------------- entry points and records
 
 
-def moe_route(logits, bias=None, *, top_k, score="sqrtsoftplus", n_group=1, topk_group=1, group_score="auto",
-              renormalize=True, scaling_factor=1.0, valid=None, backend="auto", config=None):
+def moe_route(logits: Tensor, bias: Tensor | None = None, *, top_k: int, score: str = "sqrtsoftplus", n_group: int = 1,
+              topk_group: int = 1, group_score: str = "auto", renormalize: bool = True, scaling_factor: float = 1.0,
+              valid: Tensor | None = None, backend: str = "auto", config: dict | None = None,
+              out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Fused MoE routing from router logits, in one kernel launch, with vLLM's routing rules.
 
     s = score(logits), non-finite scores set to 0; b = s + bias; [groups: keep the topk_group groups
@@ -287,12 +290,14 @@ def moe_route(logits, bias=None, *, top_k, score="sqrtsoftplus", n_group=1, topk
     """
     inputs = dict(logits=logits, bias=bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
                   group_score=group_score, renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
-    return call(MOE_ROUTE, inputs, backend, config)
+    return call(MOE_ROUTE, inputs, backend, config, out)
 
 
-def moe_route_gate(hidden, gate_weight, bias=None, *, norm_weight=None, norm_eps=1e-6, top_k, score="sqrtsoftplus",
-                   n_group=1, topk_group=1, group_score="auto", renormalize=True, scaling_factor=1.0, valid=None,
-                   backend="auto", config=None):
+def moe_route_gate(hidden: Tensor, gate_weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
+                   norm_eps: float = 1e-6, top_k: int, score: str = "sqrtsoftplus", n_group: int = 1,
+                   topk_group: int = 1, group_score: str = "auto", renormalize: bool = True,
+                   scaling_factor: float = 1.0, valid: Tensor | None = None, backend: str = "auto",
+                   config: dict | None = None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Fused gate and MoE routing: logits = RMSNorm(hidden) @ gate_weight^T in fp32, then moe_route.
 
     Args:
@@ -304,7 +309,7 @@ def moe_route_gate(hidden, gate_weight, bias=None, *, norm_weight=None, norm_eps
     inputs = dict(hidden=hidden, gate_weight=gate_weight, bias=bias, norm_weight=norm_weight, norm_eps=norm_eps,
                   top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, group_score=group_score,
                   renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
-    return call(MOE_ROUTE_GATE, inputs, backend, config)
+    return call(MOE_ROUTE_GATE, inputs, backend, config, out)
 
 
 MOE_ROUTE = Operator(
@@ -318,6 +323,7 @@ MOE_ROUTE = Operator(
                        tl_kernels.route_default),
     ),
     check=check_route,
+    outputs=empty_outputs,
     make_inputs=make_route_inputs,
     compare=compare_route,
     cost=route_cost,
@@ -337,6 +343,7 @@ MOE_ROUTE_GATE = Operator(
                        tl_kernels.GATE_SPACE, tl_kernels.gate_default),
     ),
     check=check_route_gate,
+    outputs=empty_outputs,
     make_inputs=make_route_gate_inputs,
     compare=compare_route_gate,
     cost=route_gate_cost,

@@ -72,7 +72,7 @@ class RouteProblem:
         return self.with_sizes((0,))
 
 
-def empty_outputs(problem: RouteProblem, device) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_outputs(problem: RouteProblem, inputs: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized (weights [T, k] fp32, ids [T, k] int32)."""
     shape = (problem.tokens, problem.routing.top_k)
     return torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.int32, device=device)

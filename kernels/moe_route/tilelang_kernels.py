@@ -21,7 +21,7 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.moe_route.problem import empty_outputs, slot_layout
+from flashkern.kernels.moe_route.problem import slot_layout
 
 LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
 NO_SLOT = 1.0e9  # above every slot index; slots travel as exact fp32 integers through min-reductions
@@ -273,24 +273,21 @@ def _bias_valid_args(problem, inputs: dict, device) -> list:
     return [bias, valid]
 
 
-def route_args(problem, inputs: dict, config: dict, fl):
-    logits = inputs["logits"]
-    weights, ids = empty_outputs(problem, logits.device)
+def route_args(problem, inputs: dict, config: dict, fl, out):
     if problem.tokens == 0:
-        return None, (weights, ids)
-    return [logits, *_bias_valid_args(problem, inputs, logits.device), weights, ids], (weights, ids)
+        return None
+    logits = inputs["logits"]
+    return [logits, *_bias_valid_args(problem, inputs, logits.device), *out]
 
 
-def route_gate_args(problem, inputs: dict, config: dict, fl):
+def route_gate_args(problem, inputs: dict, config: dict, fl, out):
+    if problem.tokens == 0:
+        return None
     hidden = inputs["hidden"]
     device = hidden.device
-    weights, ids = empty_outputs(problem, device)
-    if problem.tokens == 0:
-        return None, (weights, ids)
     norm = inputs["norm_weight"] if problem.has_norm else torch.ones(1, dtype=torch.bfloat16, device=device)
-    args = [fl.bf16_arg(hidden), fl.bf16_arg(inputs["gate_weight"]), fl.bf16_arg(norm),
-            *_bias_valid_args(problem, inputs, device), weights, ids]
-    return args, (weights, ids)
+    return [fl.bf16_arg(hidden), fl.bf16_arg(inputs["gate_weight"]), fl.bf16_arg(norm),
+            *_bias_valid_args(problem, inputs, device), *out]
 
 
 # Register model: routing keeps ~4 fp32 [rows, slots] tiles live (x, s, b, scratch); the gate adds

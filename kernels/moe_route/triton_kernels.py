@@ -20,7 +20,7 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.moe_route.problem import empty_outputs, slot_layout
+from flashkern.kernels.moe_route.problem import slot_layout
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
@@ -174,28 +174,26 @@ def _routing_constexprs(problem) -> dict:
                 SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
 
 
-def _routing_args(problem, inputs, config, device):
-    """Outputs and the arguments both kernels share: bias, row mask, outputs, sizes, routing constants."""
-    weights, ids = empty_outputs(problem, device)
+def _routing_args(problem, inputs, config, out):
+    """The arguments both kernels share: bias, row mask, outputs (weights, ids), sizes, routing constants."""
+    weights, ids = out
     valid = inputs["valid"]
-    args = dict(bias_ptr=inputs["bias"], valid_ptr=None if valid is None else valid.view(torch.uint8),
+    return dict(bias_ptr=inputs["bias"], valid_ptr=None if valid is None else valid.view(torch.uint8),
                 w_ptr=weights, id_ptr=ids, T=problem.tokens, scale=float(problem.routing.scaling_factor),
                 BLOCK_T=config["block_t"], **_routing_constexprs(problem))
-    return args, (weights, ids)
 
 
-def plan_route(problem, inputs, config):
+def plan_route(problem, inputs, config, out):
     logits = inputs["logits"]
-    args, outputs = _routing_args(problem, inputs, config, logits.device)
-    launch = Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, config["block_t"]),),
-                    args=dict(logits_ptr=logits, stride_t=logits.stride(0), **args), num_warps=config["num_warps"])
-    return launch, outputs
+    return Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, config["block_t"]),),
+                  args=dict(logits_ptr=logits, stride_t=logits.stride(0), **_routing_args(problem, inputs, config, out)),
+                  num_warps=config["num_warps"])
 
 
-def plan_route_gate(problem, inputs, config):
+def plan_route_gate(problem, inputs, config, out):
     hidden = inputs["hidden"]
-    args, outputs = _routing_args(problem, inputs, config, hidden.device)
-    launch = Launch(
+    args = _routing_args(problem, inputs, config, out)
+    return Launch(
         moe_route_gate_kernel,
         grid=(triton.cdiv(problem.tokens, config["block_t"]),),
         args=dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
@@ -204,7 +202,6 @@ def plan_route_gate(problem, inputs, config):
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
-    return launch, outputs
 
 
 # Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep

@@ -1,0 +1,265 @@
+"""The serving call path, for every operator: no host reads of tensor data, checked mode, caller-provided outputs,
+torch custom ops (opcheck), torch.compile without graph breaks, CUDA graphs (with a GPU: scripts/gpu_check.sh).
+
+A serving engine calls each operator once per layer per decode step inside a torch.compile'd model captured in a
+CUDA graph: nothing on the default path may read tensor values on the host (a device synchronization, and a
+capture failure), the operators must trace as custom ops, and outputs must be writable into the engine's buffers.
+"""
+
+import re
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _device import DEVICE
+from flashkern import checks, dispatch, library, ops, registry
+
+NAMES = sorted(registry.operators())
+BACKENDS = ("reference", "triton", "tilelang")
+
+
+def _smoke(name: str, seed: int = 0, device=DEVICE):
+    op = registry.get(name)
+    problem = op.presets["smoke"][0]
+    return op, problem, op.make_inputs(problem, device, seed)
+
+
+def _tensors(result) -> tuple:
+    return (result,) if isinstance(result, torch.Tensor) else tuple(result)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _assert_identical(expected, actual) -> None:
+    """Same structure, dtypes and shapes, and bitwise equal."""
+    for e, a in zip(_tensors(expected), _tensors(actual), strict=True):
+        assert (e.dtype, e.shape) == (a.dtype, a.shape)
+        assert torch.equal(_bytes(e), _bytes(a)), f"{e.dtype} {list(e.shape)}: values differ"
+
+
+# ---------------------------------------------------------------- host reads
+
+
+class NoHostReads(TorchDispatchMode):
+    """Raises on every read of tensor data into Python (item, int(t), bool(t), and through them most host syncs)."""
+
+    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                 torch.ops.aten.item.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"host read of tensor data: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _forbid_tolist(monkeypatch):
+    def tolist(self):
+        raise AssertionError("host read of tensor data: Tensor.tolist")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_default_mode_reads_no_tensor_values(monkeypatch, name, backend):
+    """Every operator and backend, first call (argument checks, backend choice) and cached call, reads no tensor
+    value on the host; the same calls in checked mode do (the value checks), so the mode is seen to catch them."""
+    op, problem, inputs = _smoke(name)
+    op.entry(**inputs, backend=backend)  # compiles kernels outside the mode (TileLang's compiler reads nothing either)
+    dispatch.reload_tables()
+    _forbid_tolist(monkeypatch)
+    with checks.checked(False), NoHostReads():
+        first = op.entry(**inputs, backend=backend)
+        cached = op.entry(**inputs, backend=backend)
+    op.compare(inputs, op.reference(**inputs), first)
+    _assert_identical(first, cached)
+    if op.check_values is not None:  # the value checks' errors: tests/test_index_safety.py
+        with checks.checked(True), NoHostReads(), pytest.raises(AssertionError, match="host read"):
+            op.entry(**inputs, backend=backend)
+
+
+# ---------------------------------------------------------------- the call-signature cache
+
+
+def test_a_cached_plan_never_skips_a_metadata_check():
+    """A call signature seen before skips the checks; any change of dtype, layout, device or argument type is a new
+    signature and is checked again."""
+    op, problem, inputs = _smoke("mhc_post")
+    op.entry(**inputs)
+    op.entry(**inputs)
+    residual = inputs["residual"]
+    padded = torch.cat((residual, residual), dim=2)[:, :, : residual.shape[2]]  # same values, rows of 2 D
+    with pytest.raises(ValueError, match="^residual must be contiguous"):
+        op.entry(**{**inputs, "residual": padded})
+    with pytest.raises(TypeError, match="^post must be float32"):
+        op.entry(**{**inputs, "post": inputs["post"].double()})
+    with pytest.raises(ValueError, match="^comb is on meta"):
+        op.entry(**{**inputs, "comb": inputs["comb"].to("meta")})
+    op, problem, inputs = _smoke("moe_route")
+    op.entry(**{**inputs, "top_k": 1})
+    with pytest.raises(TypeError, match="^top_k must be an int"):
+        op.entry(**{**inputs, "top_k": True})
+
+
+# ---------------------------------------------------------------- caller-provided outputs
+
+
+def _garbage_like(result):
+    """Buffers shaped as the result, full of values no operator writes."""
+    made = tuple(torch.full_like(t, float("nan") if t.dtype.is_floating_point else -7) for t in _tensors(result))
+    return made[0] if isinstance(result, torch.Tensor) else made
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_out_buffers_receive_the_whole_result(name, backend):
+    """out= (tensors as the result's structure) is written in full and returned, equal to an allocating call."""
+    op, problem, inputs = _smoke(name)
+    expected = op.entry(**inputs, backend=backend)
+    out = _garbage_like(expected)
+    result = op.entry(**inputs, backend=backend, out=out)
+    for given, returned in zip(_tensors(out), _tensors(result), strict=True):
+        assert returned is given
+    _assert_identical(expected, result)
+
+
+def _sharing(tensor: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of `tensor` and an uninitialized tensor like `like`, both views of one buffer."""
+    start = -(-tensor.nbytes // 16) * 16
+    buffer = torch.empty(start + like.nbytes, dtype=torch.uint8, device=DEVICE)
+    copy = buffer[: tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return copy, buffer[start:].view(like.dtype).view(like.shape)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_out_buffers_are_refused_by_name(name):
+    op, problem, inputs = _smoke(name)
+    result = op.entry(**inputs)
+    expected = _tensors(result)
+    fields = getattr(result, "_fields", None)
+    label = re.escape("out" if len(expected) == 1 else f"out.{fields[0]}" if fields else "out[0]")
+
+    def out_with(first):
+        return first if len(expected) == 1 else (first, *expected[1:])
+
+    wrong_dtype = torch.float64 if expected[0].dtype != torch.float64 else torch.float32
+    with pytest.raises(TypeError, match=rf"^{label} must be "):
+        op.entry(**inputs, out=out_with(expected[0].to(wrong_dtype)))
+    with pytest.raises(ValueError, match=rf"^{label} must have shape"):
+        op.entry(**inputs, out=out_with(expected[0][:0]))
+    first = next(key for key, value in inputs.items() if isinstance(value, torch.Tensor))
+    inputs[first], alias = _sharing(inputs[first], expected[0])
+    with pytest.raises(ValueError, match=rf"^{label} shares memory with an input"):
+        op.entry(**inputs, out=out_with(alias))
+    if len(expected) > 1:
+        with pytest.raises(TypeError, match=rf"^out must be a tuple of {len(expected)} tensors"):
+            op.entry(**inputs, out=expected[0])
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_opcheck(name):
+    """torch.library.opcheck on every smoke problem: schema, fake (meta) implementation, dynamic shapes under
+    AOT dispatch. torch's schema test multiplies inputs, which CPU torch cannot do in float8: FP8 problems skip
+    that one test (every indexer operator has an MXFP4 smoke problem, which runs it)."""
+    op = registry.get(name)
+    for problem in op.presets["smoke"]:
+        inputs = op.make_inputs(problem, DEVICE, seed=1)
+        overload, args, kwargs = library.call_arguments(name, inputs)
+        fp8 = any(isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn for v in inputs.values())
+        utils = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS if not (fp8 and u == "test_schema"))
+        torch.library.opcheck(overload, args, kwargs, test_utils=utils)
+
+
+@pytest.mark.parametrize("backend", ("triton", "tilelang"))
+@pytest.mark.parametrize("name", NAMES)
+def test_custom_op_runs_the_chosen_kernel(name, backend):
+    """torch.ops.flashkern.<name> with a backend gives what the entry point gives."""
+    op, problem, inputs = _smoke(name)
+    overload, args, kwargs = library.call_arguments(name, dict(inputs))
+    _assert_identical(op.entry(**inputs, backend=backend), overload(*args, **kwargs, backend=backend))
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def _decode_inputs() -> dict:
+    """One decode step's inputs: 4 sequences of 4K positions, V4.1-Flash routing, mHC at D = 256."""
+    from flashkern.kernels.indexer import PagedProblem
+    from flashkern.kernels.mhc import MhcProblem
+    from flashkern.kernels.moe_route import V41_FLASH, RouteProblem
+
+    route = registry.get("moe_route").make_inputs(RouteProblem(4, V41_FLASH, has_bias=True), DEVICE, 0)
+    paged = registry.get("paged_mqa_logits").make_inputs(PagedProblem(4, 64, 1, 64), DEVICE, 0)
+    chain = registry.get("mhc_post_pre").make_inputs(MhcProblem(4, 256, collapse="carried"), DEVICE, 0)
+    return dict(route=route, paged=paged, chain=chain)
+
+
+def decode_step(route: dict, paged: dict, chain: dict, chosen: torch.Tensor):
+    """Routing, indexer scoring and top-k (into the engine's index buffer `chosen`), and the mHC post/pre chain, as
+    a decode step calls them."""
+    weights, ids = ops.moe_route(route["logits"], route["bias"], top_k=6, scaling_factor=1.5)
+    logits = ops.paged_mqa_logits(paged["q"], paged["k_cache"], paged["k_scale"], paged["w"], paged["block_table"],
+                                  paged["context_lens"])
+    ops.topk_indices(logits, paged["context_lens"], 512, out=chosen)
+    out = ops.mhc_post_pre(chain["y"], chain["residual"], chain["post"], chain["comb"], chain["fn"],
+                           chain["hc_scale"], chain["hc_base"], pre_mix=chain["pre_mix"], delayed=True)
+    return weights * 2, ids, out.residual, out.layer_input, out.pre, out.comb.sum(dim=-1)
+
+
+def test_torch_compile_traces_a_decode_step_without_graph_breaks():
+    """fullgraph=True: every operator traces as its custom op (the captured graph holds them and no Python
+    fallback); the compiled step equals the eager one."""
+    inputs = _decode_inputs()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    rows = inputs["paged"]["w"].shape[0]
+    eager_chosen, compiled_chosen = (torch.full((rows, 512), -7, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    torch._dynamo.reset()
+    torch.compile(decode_step, fullgraph=True, backend=record)(**inputs, chosen=torch.empty_like(eager_chosen))
+    called = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert {f"flashkern.{name}.default" for name in ("moe_route", "paged_mqa_logits", "topk_indices",
+                                                      "mhc_post_pre")} <= called, called
+    compiled = torch.compile(decode_step, fullgraph=True)
+    expected, actual = decode_step(**inputs, chosen=eager_chosen), compiled(**inputs, chosen=compiled_chosen)
+    for a, b in zip((*expected, eager_chosen), (*actual, compiled_chosen), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert (eager_chosen[:, 0] >= 0).all()  # written: every row sees positions
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU: scripts/gpu_check.sh runs this")
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_graph_replays_equal_eager(name):
+    """Capture one call into caller-provided outputs, then replay with new input values copied into the captured
+    inputs: every replay is bitwise equal to an eager call on those values."""
+    op, problem, static = _smoke(name, seed=0, device="cuda")
+    backend = "triton"  # the GPU image has no TileLang
+    out = _garbage_like(op.entry(**static, backend=backend))  # warm-up: JIT compile, plan cached
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.entry(**static, backend=backend, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.entry(**static, backend=backend, out=out)
+    for seed in (1, 2):
+        fresh = op.make_inputs(problem, "cuda", seed)
+        for key, value in static.items():
+            if isinstance(value, torch.Tensor):
+                value.copy_(fresh[key])
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_identical(op.entry(**fresh, backend=backend), out)
