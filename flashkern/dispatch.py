@@ -125,10 +125,11 @@ MAX_PLANS = 4096  # distinct call signatures kept (a serving process sees one pe
 
 
 def _metadata(inputs: dict) -> tuple:
-    """Everything the metadata checks and the backend choice read: per tensor its dtype, shape, strides and device;
-    every other argument by type and value."""
-    return tuple([(v.dtype, v.shape, v.stride(), v.device) if isinstance(v, torch.Tensor) else (v.__class__, v)
-                  for v in inputs.values()])
+    """Everything the metadata checks and the backend choice read: every argument's type; per tensor its dtype,
+    shape, strides and device; every other argument's value."""
+    values = tuple(inputs.values())
+    return tuple(map(type, values)), tuple([(v.dtype, v.shape, v.stride(), v.device) if isinstance(v, torch.Tensor)
+                                            else v for v in values])
 
 
 def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:
@@ -202,10 +203,12 @@ def run(op: Operator, inputs: dict, backend: str = "auto", config: dict | None =
     return found.impl.run(found.problem, inputs, found.config, out)
 
 
-def call(op: Operator, inputs: dict, backend: str = "auto", config: dict | None = None, out=None):
-    """An entry point's call: eager, `run`; under torch.compile, the custom op torch.ops.flashkern.<name>
-    (flashkern.library), whose result is copied into `out` when one is given."""
+def call(op: Operator, arguments: dict):
+    """An entry point's call, given its arguments (its `locals()`: the operator's inputs, backend, config, out).
+    Eager: `run`. Under torch.compile: the custom op torch.ops.flashkern.<name> (flashkern.library), its result
+    copied into `out` when one is given."""
+    backend, config, out = arguments.pop("backend"), arguments.pop("config"), arguments.pop("out")
     if torch.compiler.is_compiling():
-        result = library.traced_call(op, inputs, backend, config)
+        result = library.traced_call(op, arguments, backend, config)
         return result if out is None else copy_into(out, result)
-    return run(op, inputs, backend, config, out)
+    return run(op, arguments, backend, config, out)

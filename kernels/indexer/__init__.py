@@ -598,8 +598,7 @@ def mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tensor, ke:
     Out-of-range values (refused only in checked mode, flashkern.checks): any int32 ks, ke is safe; row m scores key n
     iff max(ks[m], 0) <= n < min(ke[m], N) (none when ks >= ke), -inf elsewhere.
     """
-    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, q_scale=q_scale, logits_dtype=logits_dtype)
-    return call(MQA_LOGITS, inputs, backend, config, out)
+    return call(MQA_LOGITS, locals())
 
 
 def paged_mqa_logits(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, w: Tensor, block_table: Tensor,
@@ -622,9 +621,7 @@ def paged_mqa_logits(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, w: Tens
     clamped to [0, max_blocks * block_size]; table entries are read only inside a row's visible range, and one
     outside [0, blocks) reads nothing: its block's positions are -inf.
     """
-    inputs = dict(q=q, k_cache=k_cache, k_scale=k_scale, w=w, block_table=block_table, context_lens=context_lens,
-                  q_scale=q_scale, logits_dtype=logits_dtype)
-    return call(PAGED_MQA_LOGITS, inputs, backend, config, out)
+    return call(PAGED_MQA_LOGITS, locals())
 
 
 def topk_indices(logits: Tensor, ends: Tensor, k: int, *, starts: Tensor | None = None, sorted: bool = False,
@@ -640,7 +637,7 @@ def topk_indices(logits: Tensor, ends: Tensor, k: int, *, starts: Tensor | None 
     Out-of-range values (refused only in checked mode, flashkern.checks): any int32 ends, starts is safe; position n
     is eligible iff max(starts, 0) <= n < min(ends, N) (none when starts >= ends).
     """
-    return call(TOPK_INDICES, dict(logits=logits, ends=ends, k=k, starts=starts, sorted=sorted), backend, config, out)
+    return call(TOPK_INDICES, locals())
 
 
 def candidate_blocks(logits: Tensor, row_end: Tensor, n_blocks: int = 2048, block: int = 8, *, backend: str = "auto",
@@ -653,8 +650,7 @@ def candidate_blocks(logits: Tensor, row_end: Tensor, n_blocks: int = 2048, bloc
     Out-of-range values (refused only in checked mode, flashkern.checks): any int32 row_end is safe, clamped to [0, N]
     (the kept newest block holds min(row_end, N) - 1; none when row_end <= 0).
     """
-    inputs = dict(logits=logits, row_end=row_end, n_blocks=n_blocks, block=block)
-    return call(CANDIDATE_BLOCKS, inputs, backend, config, out)
+    return call(CANDIDATE_BLOCKS, locals())
 
 
 def sparse_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tensor, ke: Tensor, blocks: Tensor, *,
@@ -668,9 +664,7 @@ def sparse_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tens
     Out-of-range values (refused only in checked mode, flashkern.checks): ks, ke as mqa_logits; a block id outside
     [0, ceil(N / block)) counts as -1 (its slots score -inf); no key outside [0, N) is read.
     """
-    inputs = dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke, blocks=blocks, top_k=top_k, block=block,
-                  q_scale=q_scale)
-    return call(SPARSE_MQA_LOGITS, inputs, backend, config, out)
+    return call(SPARSE_MQA_LOGITS, locals())
 
 
 MQA_LOGITS = Operator(

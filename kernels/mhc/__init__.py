@@ -292,7 +292,7 @@ def sinkhorn(x: Tensor, iters: int = 20, eps: float = 1e-6, *, backend: str = "a
     Returns:
         [..., n, n] fp32.
     """
-    return call(SINKHORN, dict(x=x, iters=iters, eps=eps), backend, config, out)
+    return call(SINKHORN, locals())
 
 
 def mhc_pre(residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, *, pre_mix: Tensor | None = None,
@@ -318,10 +318,7 @@ def mhc_pre(residual: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor, *, 
     Returns:
         PreOutputs(layer_input [T, D] bf16, pre [T, n], post [T, n], comb [T, n, n]) (fp32 gates).
     """
-    inputs = dict(residual=residual, fn=fn, hc_scale=hc_scale, hc_base=hc_base, pre_mix=pre_mix, delayed=delayed,
-                  rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult, iters=iters,
-                  norm_weight=norm_weight, norm_eps=norm_eps)
-    return call(MHC_PRE, inputs, backend, config, out)
+    return call(MHC_PRE, locals())
 
 
 def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto",
@@ -333,7 +330,7 @@ def mhc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, *, backend
     Returns:
         [T, n, D] bf16 new residual streams.
     """
-    return call(MHC_POST, dict(y=y, residual=residual, post=post, comb=comb), backend, config, out)
+    return call(MHC_POST, locals())
 
 
 def mhc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, hc_scale: Tensor, hc_base: Tensor,
@@ -355,10 +352,7 @@ def mhc_post_pre(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: Te
         ChainOutputs(residual [T, n, D] bf16, layer_input [T, D] bf16, pre [T, n] (computed now, to carry on),
         post [T, n], comb [T, n, n]).
     """
-    inputs = dict(y=y, residual=residual, post=post, comb=comb, fn=fn, hc_scale=hc_scale, hc_base=hc_base,
-                  pre_mix=pre_mix, delayed=delayed, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps,
-                  post_mult=post_mult, iters=iters, norm_weight=norm_weight, norm_eps=norm_eps)
-    return call(MHC_POST_PRE, inputs, backend, config, out)
+    return call(MHC_POST_PRE, locals())
 
 
 def _implementations(triton_plan, tilelang_program, tilelang_args, stem: str) -> tuple[Implementation, ...]:

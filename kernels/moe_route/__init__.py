@@ -288,9 +288,7 @@ def moe_route(logits: Tensor, bias: Tensor | None = None, *, top_k: int, score: 
     Returns:
         (weights [T, top_k] fp32, ids [T, top_k] int32), each row in descending key.
     """
-    inputs = dict(logits=logits, bias=bias, top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
-                  group_score=group_score, renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
-    return call(MOE_ROUTE, inputs, backend, config, out)
+    return call(MOE_ROUTE, locals())
 
 
 def moe_route_gate(hidden: Tensor, gate_weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
@@ -306,10 +304,7 @@ def moe_route_gate(hidden: Tensor, gate_weight: Tensor, bias: Tensor | None = No
             The normalized hidden state is rounded to bf16 before the product (as an unfused norm would).
         The other arguments and the result are those of moe_route.
     """
-    inputs = dict(hidden=hidden, gate_weight=gate_weight, bias=bias, norm_weight=norm_weight, norm_eps=norm_eps,
-                  top_k=top_k, score=score, n_group=n_group, topk_group=topk_group, group_score=group_score,
-                  renormalize=renormalize, scaling_factor=scaling_factor, valid=valid)
-    return call(MOE_ROUTE_GATE, inputs, backend, config, out)
+    return call(MOE_ROUTE_GATE, locals())
 
 
 MOE_ROUTE = Operator(
