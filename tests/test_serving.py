@@ -116,7 +116,8 @@ def _garbage_like(result):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_out_buffers_receive_the_whole_result(name, backend):
-    """out= (tensors as the result's structure) is written in full and returned, equal to an allocating call."""
+    """out= (tensors as the result's structure) is written in full and returned, equal to an allocating call and
+    to the custom op torch.ops.flashkern.<name> with the same backend."""
     op, problem, inputs = _smoke(name)
     expected = op.entry(**inputs, backend=backend)
     out = _garbage_like(expected)
@@ -124,6 +125,8 @@ def test_out_buffers_receive_the_whole_result(name, backend):
     for given, returned in zip(_tensors(out), _tensors(result), strict=True):
         assert returned is given
     _assert_identical(expected, result)
+    overload, args, kwargs = library.call_arguments(name, inputs)
+    _assert_identical(expected, overload(*args, **kwargs, backend=backend))
 
 
 def _sharing(tensor: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,15 +177,6 @@ def test_opcheck(name):
         fp8 = any(isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn for v in inputs.values())
         utils = tuple(u for u in torch.library._OPCHECK_DEFAULT_UTILS if not (fp8 and u == "test_schema"))
         torch.library.opcheck(overload, args, kwargs, test_utils=utils)
-
-
-@pytest.mark.parametrize("backend", ("triton", "tilelang"))
-@pytest.mark.parametrize("name", NAMES)
-def test_custom_op_runs_the_chosen_kernel(name, backend):
-    """torch.ops.flashkern.<name> with a backend gives what the entry point gives."""
-    op, problem, inputs = _smoke(name)
-    overload, args, kwargs = library.call_arguments(name, dict(inputs))
-    _assert_identical(op.entry(**inputs, backend=backend), overload(*args, **kwargs, backend=backend))
 
 
 # ---------------------------------------------------------------- torch.compile
