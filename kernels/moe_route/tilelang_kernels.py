@@ -52,7 +52,7 @@ def _route_macro(problem, rows: int, fl: Flavour):
         T.reduce_min(scratch, picked, dim=1)
 
     @T.macro
-    def route(x, row0, n_rows, Bias, Valid, Weights, Ids):
+    def route(x, row0, n_rows, Bias, Valid, Weights, Ids, scale, renormalize):
         s = fl.fragment((rows, NP), "float32")
         b = fl.fragment((rows, NP), "float32")
         scratch = fl.fragment((rows, NP), "float32")
@@ -152,11 +152,8 @@ def _route_macro(problem, rows: int, fl: Flavour):
                     Weights[row0 + i, k] = 0.0
                     Ids[row0 + i, k] = -1
                 else:
-                    if r.renormalize:
-                        Weights[row0 + i, k] = (w_sel[i, k] / T.if_then_else(per_row[i] > 0.0, per_row[i], 1.0)
-                                                * r.scaling_factor)
-                    else:
-                        Weights[row0 + i, k] = w_sel[i, k] * r.scaling_factor
+                    Weights[row0 + i, k] = (w_sel[i, k] / T.if_then_else((renormalize != 0) & (per_row[i] > 0.0),
+                                                                          per_row[i], 1.0) * scale)
                     Ids[row0 + i, k] = expert(T.Cast("int32", slot_sel[i, k]))
 
     return route, real, expert, NP
@@ -176,6 +173,8 @@ def route_program(problem, config, fl: Flavour):
         Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
         Weights: T.Tensor((n_rows, K), "float32"),
         Ids: T.Tensor((n_rows, K), "int32"),
+        scale: T.float32,
+        renormalize: T.int32,
     ):
         with T.Kernel(T.ceildiv(n_rows, BT), threads=config["threads"]) as bx:
             x = fl.fragment((BT, NP), "float32")
@@ -183,7 +182,7 @@ def route_program(problem, config, fl: Flavour):
                 x[i, n] = T.if_then_else(
                     (bx * BT + i < n_rows) & real(n),
                     Logits[T.min(bx * BT + i, n_rows - 1), T.min(expert(n), E - 1)], 0.0)
-            route(x, bx * BT, n_rows, Bias, Valid, Weights, Ids)
+            route(x, bx * BT, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
 
     return moe_route
 
@@ -205,6 +204,9 @@ def route_gate_program(problem, config, fl: Flavour):
         Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
         Weights: T.Tensor((n_rows, K), "float32"),
         Ids: T.Tensor((n_rows, K), "int32"),
+        scale: T.float32,
+        renormalize: T.int32,
+        norm_eps: T.float32,
     ):
         with T.Kernel(T.ceildiv(n_rows, BT), threads=config["threads"]) as bx:
             h_tile = fl.shared((BT, BD), operand)
@@ -229,7 +231,7 @@ def route_gate_program(problem, config, fl: Flavour):
                     for i in fl.parallel(BT):
                         inv_rms[i] = inv_rms[i] + part[i]
                 for i in fl.parallel(BT):
-                    inv_rms[i] = 1.0 / T.sqrt(inv_rms[i] / D + problem.norm_eps)
+                    inv_rms[i] = 1.0 / T.sqrt(inv_rms[i] / D + norm_eps)
 
             for i, e in fl.parallel(BT, E):
                 acc[i, e] = 0.0
@@ -257,7 +259,7 @@ def route_gate_program(problem, config, fl: Flavour):
             for chunk in T.serial(BT // RB):  # route the tile RB rows at a time
                 for i, n in fl.parallel(RB, NP):
                     x[i, n] = T.if_then_else(real(n), logits[chunk * RB + i, T.min(expert(n), E - 1)], 0.0)
-                route(x, bx * BT + chunk * RB, n_rows, Bias, Valid, Weights, Ids)
+                route(x, bx * BT + chunk * RB, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
 
     return moe_route_gate
 
@@ -273,11 +275,17 @@ def _bias_valid_args(problem, inputs: dict, device) -> list:
     return [bias, valid]
 
 
+def _rule_args(problem) -> list:
+    """The routing rule's run-time scalars: the scaling factor and whether to renormalize (kernel arguments rather
+    than constants, so that models differing only in them share one compiled kernel)."""
+    return [float(problem.routing.scaling_factor), int(problem.routing.renormalize)]
+
+
 def route_args(problem, inputs: dict, config: dict, fl, out):
     if problem.tokens == 0:
         return None
     logits = inputs["logits"]
-    return [logits, *_bias_valid_args(problem, inputs, logits.device), *out]
+    return [logits, *_bias_valid_args(problem, inputs, logits.device), *out, *_rule_args(problem)]
 
 
 def route_gate_args(problem, inputs: dict, config: dict, fl, out):
@@ -287,7 +295,7 @@ def route_gate_args(problem, inputs: dict, config: dict, fl, out):
     device = hidden.device
     norm = inputs["norm_weight"] if problem.has_norm else torch.ones(1, dtype=torch.bfloat16, device=device)
     return [fl.bf16_arg(hidden), fl.bf16_arg(inputs["gate_weight"]), fl.bf16_arg(norm),
-            *_bias_valid_args(problem, inputs, device), *out]
+            *_bias_valid_args(problem, inputs, device), *out, *_rule_args(problem), float(problem.norm_eps)]
 
 
 # Register model: routing keeps ~4 fp32 [rows, slots] tiles live (x, s, b, scratch); the gate adds
