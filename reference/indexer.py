@@ -1,4 +1,4 @@
-"""Sparse MQA scoring (the indexer) and top-k selection: the reference (SPECS.md section 2).
+"""Sparse MQA scoring (the indexer) and top-k selection: the reference (docs/operators.md sections 2, 3).
 
 Scoring, for query rows m with H heads and keys n (dimension D), on dequantized values:
 

@@ -1,4 +1,4 @@
-"""mHC, manifold-constrained hyper-connections (SPECS.md section 5): the reference, in plain PyTorch.
+"""mHC, manifold-constrained hyper-connections (docs/operators.md section 4): the reference, in plain PyTorch.
 
 The residual is kept as n streams [T, n, D] (n = 4 in the model). Around every sublayer:
 

@@ -1,4 +1,4 @@
-"""Fused MoE routing: the reference (SPECS.md section 1), following vLLM's routing kernels.
+"""Fused MoE routing: the reference (docs/operators.md section 1), following vLLM's routing kernels.
 
 For router logits x [T, E] (fp32):
 

@@ -3,12 +3,12 @@
 # the serving path (CUDA-graph capture and replay of every operator, no host reads, torch.compile),
 # smoke-preset tuning, dispatch tables (JSON), reports and plots, benchmarks and logs, all
 # written into OUT_DIR, with a one-line-per-step summary in OUT_DIR/summary.txt. The step limits sum to
-# 570 s, under the device tool's 600 s per command (and a 15-minute session budget that also pays for
-# the machine's start); nothing here has run on an H200 yet. A failed step does not stop the others.
+# 570 s, inside the project's per-command time budget of 600 s on the lent GPU machine; nothing here has
+# run on an H200 yet. A failed step does not stop the others. Details: docs/gpu.md.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR      (PYTHON=... picks the interpreter; default python3)
-# Through the device tool, whose $OUT takes at most 8 files, pack the folder:
-#   scripts/gpu_check.sh /tmp/gpu && tar czf $OUT/gpu_check.tgz -C /tmp/gpu .
+# To carry the results off the machine as one file, pack the folder:
+#   scripts/gpu_check.sh /tmp/gpu && tar czf gpu_check.tgz -C /tmp/gpu .
 # flashkern must be importable there (pip install -e . --no-deps, tilelang from carried wheels).
 # A dry run of the plumbing on a CPU machine: FLASHKERN_TEST_DEVICE=cpu scripts/gpu_check.sh /tmp/dry
 set -uo pipefail

@@ -2,8 +2,8 @@
 
 Hypothesis draws storage formats, head counts, ragged key ranges (empty rows, full rows, tails
 that are not multiples of a tile), paged layouts with scattered cache blocks, and value shapes
-for selection (exact repeats, +-inf, NaN). Scores are compared with the SPECS.md similarity
-measure plus identical -inf masks (kernels.indexer.check_logits_result); selections with the property
+for selection (exact repeats, +-inf, NaN). Scores are compared with the similarity measure of
+docs/operators.md section 2 plus identical -inf masks (kernels.indexer.check_logits_result); selections with the property
 oracle (kernels.indexer.check_topk_result) and, since every implementation follows the reference's
 tie rule, for exact equality too.
 """
@@ -275,7 +275,8 @@ def test_repeated_runs_are_bitwise_identical(name, backend):
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
 @pytest.mark.parametrize("fmt, limit", [("fp8", 1e-3), ("mxfp4", 0.02)])
 def test_quantized_scores_track_bf16_scores(backend, fmt, limit):
-    """SPECS.md: against logits from the unquantized bf16 inputs, similarity diff < 1e-3 (FP8) / 0.02 (FP4)."""
+    """Against logits from the unquantized bf16 inputs, similarity diff < 1e-3 (FP8) / 0.02 (FP4)
+    (docs/operators.md section 2)."""
     gen = torch.Generator().manual_seed(0)
     rows, keys, h, d = 8, 700, 32, 128
     q = torch.randn(rows, h, d, generator=gen).bfloat16().float()

@@ -5,7 +5,7 @@ and the model's 4096 / 5120 / 7168 at a few tokens), how values look (normal; la
 iterations, which make every epsilon and the iteration order visible; all-zero token rows; huge
 magnitudes; a token row holding NaN or inf, which must stay in its row), norm on and off, and each
 collapse of the layer input (the fresh pre, a carried pre-mix, stream 0). The comparison is the
-operator's own (kernels/mhc: fp32 gates within 1e-3, bf16 outputs at SPECS.md's atol 5e-2 / rtol 1e-2,
+operator's own (kernels/mhc, docs/operators.md section 4: fp32 gates within 1e-3, bf16 outputs at atol 5e-2 / rtol 1e-2,
 Sinkhorn at assert_close's fp32 defaults); the properties the spec names are checked on kernel outputs
 besides, the chain against its composition at 1e-2, and the stream-0 collapse bit for bit.
 """
@@ -164,7 +164,7 @@ def test_model_chain_matches_reference_and_the_unfused_composition(backend, hidd
     new_residual = flashkern.ops.mhc_post(**post_args, backend=backend)
     assert torch.equal(chain.residual, new_residual), "the chain's residual differs from mhc_post's"
     unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
-    tolerance = dict(atol=1e-2, rtol=1e-2)  # SPECS.md: the fused chain within 1e-2
+    tolerance = dict(atol=1e-2, rtol=1e-2)  # docs/operators.md section 4: the fused chain within 1e-2
     for name in ("pre", "post", "comb"):
         torch.testing.assert_close(getattr(chain, name), getattr(unfused, name), **tolerance)
     carried = ref.collapse(new_residual.cpu(), inputs["pre_mix"].cpu(), inputs["norm_weight"].cpu(),

@@ -1,4 +1,4 @@
-"""Sparse MQA scoring (the indexer) and top-k selection (SPECS.md section 2): operator records.
+"""Sparse MQA scoring (the indexer) and top-k selection (docs/operators.md sections 2, 3): operator records.
 
   mqa_logits         dense ragged scoring: q [M, H, D], keys [N, D] -> logits [M, N] fp32 or bf16
   paged_mqa_logits   decode scoring over a paged key cache (two tensors, or DeepGEMM's fused pages), context
@@ -362,7 +362,8 @@ def _first(bad: torch.Tensor) -> list:
 def check_logits_result(expected: torch.Tensor, actual: torch.Tensor, max_diff: float = 5e-6,
                         atol_of_row: float = 1e-4) -> None:
     """Indexer logits agree: the same dtype and shape, identical -inf masks, no NaN where the reference has none,
-    per-row similarity diff < max_diff (SPECS.md), and each entry within atol_of_row x the row's largest magnitude."""
+    per-row similarity diff < max_diff (docs/operators.md section 2), and each entry within atol_of_row x the row's
+    largest magnitude."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape)
     expected, actual = expected.cpu().float(), actual.cpu().float()
     mask_differs = (expected == -torch.inf) != (actual == -torch.inf)
@@ -381,9 +382,9 @@ def check_logits_result(expected: torch.Tensor, actual: torch.Tensor, max_diff: 
 
 def check_topk_result(values: torch.Tensor, eligible: torch.Tensor, k: int, out: torch.Tensor,
                       tol: float = 0.0) -> None:
-    """Property oracle of a top-k result (SPECS.md): the valid prefix has length min(#eligible, k), then -1;
-    indices are eligible and unique; min(selected) >= max(unselected eligible) in the rule's order (NaN lowest),
-    up to `tol` x the row's largest finite magnitude (for scores a kernel recomputes)."""
+    """Property oracle of a top-k result (docs/operators.md section 3): the valid prefix has length
+    min(#eligible, k), then -1; indices are eligible and unique; min(selected) >= max(unselected eligible) in the
+    rule's order (NaN lowest), up to `tol` x the row's largest finite magnitude (for scores a kernel recomputes)."""
     rows = values.shape[0]
     assert out.dtype == torch.int32 and out.shape == (rows, k), (out.dtype, out.shape)
     values, eligible, out = values.cpu(), eligible.cpu(), out.cpu().long()

@@ -1,4 +1,4 @@
-"""mHC, manifold-constrained hyper-connections (SPECS.md section 5): operator records.
+"""mHC, manifold-constrained hyper-connections (docs/operators.md section 4): operator records.
 
   sinkhorn      logits [..., n, n] fp32 -> near doubly-stochastic matrices (the spec's iteration order)
   mhc_pre       residual streams [T, n, D] bf16 and fn -> PreOutputs(layer_input, pre, post, comb):
@@ -178,7 +178,8 @@ def make_post_pre_inputs(problem: MhcProblem, device="cpu", seed: int = 0) -> di
 
 # ---------------------------------------------------------------- comparisons
 
-# fp32 gates: the GEMM may run in tf32 on a GPU (as upstream's); bf16 outputs: SPECS.md's pre/post tolerances
+# fp32 gates: the GEMM may run in tf32 on a GPU (as upstream's); bf16 outputs: the pre/post tolerances of
+# docs/operators.md section 4
 # (atol 5e-2, rtol 1e-2). atol is scaled by the RMS of each output row (at least 1): a layer input collapses n
 # streams that may cancel, after a new residual that may differ by an ulp of the streams' size, so its error
 # follows the streams' scale, not the result's.

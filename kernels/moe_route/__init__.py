@@ -1,4 +1,4 @@
-"""Fused MoE routing (SPECS.md section 1): operator records, entry points, inputs, oracle, cost, presets.
+"""Fused MoE routing (docs/operators.md section 1): operator records, entry points, inputs, oracle, cost, presets.
 
 Two operators share one routing core:
   moe_route       router logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int32)
