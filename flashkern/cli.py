@@ -163,6 +163,18 @@ def _store(args):
     return Store(args.db)
 
 
+def shape_list(text: str) -> list[tuple[int, ...]]:
+    """--shapes: comma-separated shapes, each a positive size or several joined by 'x' (64x128)."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a shape: expected positive integers, "
+                                             "comma-separated (1,7,300), several per shape joined by x (64x128)")
+        shapes.append(tuple(int(part) for part in parts))
+    return shapes
+
+
 def _problems(op, args) -> list:
     """The preset's problems, or with --shapes, those sizes for each of the preset's specializations."""
     problems = list(op.presets[_preset([op.name], args.preset)])
@@ -170,8 +182,11 @@ def _problems(op, args) -> list:
         specs = {}
         for p in problems:
             specs.setdefault(p.specialization(), p)
-        sizes = [tuple(int(n) for n in item.split("x")) for item in args.shapes.split(",")]
-        problems = [p.with_sizes(s) for p in specs.values() for s in sizes]
+        count = len(problems[0].sizes)
+        for shape in args.shapes:
+            if len(shape) != count:
+                raise SystemExit(f"--shapes: {op.name} takes {count} size(s) per shape, got {'x'.join(map(str, shape))}")
+        problems = [p.with_sizes(s) for p in specs.values() for s in args.shapes]
     return problems
 
 
@@ -281,6 +296,9 @@ def cmd_store(args) -> int:
             return 1
         console.print(f"moved {path} aside to {stores.quarantine(path)}; the next tune starts a new store")
         return 0
+    if not path.exists():
+        console.print(f"no store at {path} (nothing created; `flashkern tune` makes one)")
+        return 1
     with stores.Store(path) as store:
         results, decisions = store.results(), store.decisions()
     devices_seen = sorted({r.key.device for r in results})
@@ -299,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ops", nargs="*", help="operators (default: all)")
     p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--shapes", default=None, help="explicit sizes for each specialization of the preset, "
-                   "comma-separated (e.g. 1,7,300; multi-dimensional as 64x128)")
+    p.add_argument("--shapes", type=shape_list, default=None,
+                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
+                   "multi-dimensional as 64x128)")
     p.add_argument("--backends", default=None, help="kernels to time besides the reference, comma-separated")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per cell (default: 0.3)")
     p.add_argument("--json", help="also write the rows to this JSON file")
@@ -322,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("tune", help="measure every implementation and config per shape into the store")
     p.add_argument("op")
     p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
-    p.add_argument("--shapes", default=None, help="explicit sizes for each specialization of the preset, "
-                   "comma-separated (e.g. 1,7,300; multi-dimensional as 64x128)")
+    p.add_argument("--shapes", type=shape_list, default=None,
+                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
+                   "multi-dimensional as 64x128)")
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timing per candidate (default: 0.2)")
     p.add_argument("--max-configs", type=int, default=24, help="configs per implementation and shape (0: all)")
     p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")

@@ -57,3 +57,26 @@ def test_ci_runs_the_readme_test_command():
     commands = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("python3 -m venv")]
     assert len(commands) == 2 and "python -m pytest" in commands[1]
     assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.parametrize("shapes, message", [("abc", "'abc' is not a shape"), ("1,2x", "'2x' is not a shape"),
+                                             ("0", "'0' is not a shape: expected positive integers")])
+def test_bad_shapes_are_argument_errors_naming_the_flag(capsys, shapes, message):
+    for command in ("tune", "bench"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "moe_route", "--shapes", shapes])
+        assert exit_info.value.code == 2
+        assert "argument --shapes: " + message in capsys.readouterr().err
+
+
+def test_shapes_with_the_wrong_number_of_sizes_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"^--shapes: moe_route takes 1 size\(s\) per shape, got 4x8$"):
+        main(["tune", "moe_route", "--shapes", "4x8", "--db", str(tmp_path / "t.sqlite3")])
+    assert not (tmp_path / "t.sqlite3").exists()
+
+
+def test_store_info_on_a_missing_path_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "typo" / "store.sqlite3"
+    assert main(["store", "info", "--db", str(missing)]) == 1
+    assert "no store at" in capsys.readouterr().out
+    assert not (tmp_path / "typo").exists()
