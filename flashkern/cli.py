@@ -5,6 +5,7 @@
   flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
   flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
   flashkern table OP                     what backend="auto" runs per shape here; --export / --import JSON
+  flashkern explain OP [--shapes 1,37]   what backend="auto" runs per shape here, and why
   flashkern report OP                    per-shape comparison of the stored results, and a PNG plot
   flashkern store info|quarantine        where the tuning store is and what it holds; move a broken one aside
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -24,6 +27,7 @@ from flashkern import registry
 from flashkern.autotune.store import StoreError
 
 console = Console(width=None if sys.stdout.isatty() else 160)
+AUTO_MARK = escape("  [auto]")  # rich would read a bare [auto] as markup and drop it
 
 
 def _op_names(names: list[str]) -> list[str]:
@@ -52,15 +56,35 @@ def cmd_list(args) -> int:
         table.add_column(col)
     for name, op in sorted(registry.operators().items()):
         auto = rule_choice(op, info)
-        table.add_row(name, "reference", "yes", f"PyTorch; {op.summary}" + ("  [auto]" if auto is None else ""))
+        table.add_row(name, "reference", "yes", f"PyTorch; {op.summary}" + (AUTO_MARK if auto is None else ""))
         for impl in op.implementations:
             reason = impl.unavailable(info)
             how = impl.kernel.cpu_mode if info.kind == "cpu" else f"native CUDA, sm_{info.capability[0]}{info.capability[1]}"
-            mark = "  [auto]" if auto is impl else ""
+            mark = AUTO_MARK if auto is impl else ""
             table.add_row("", impl.name, "no" if reason else "yes", (reason or how) + mark)
         table.add_row("", "presets", "", ", ".join(f"{k} ({len(v)})" for k, v in op.presets.items()), end_section=True)
     console.print(table)
-    console.print("[auto] marks the default rule for untuned shapes; tuned shapes follow `flashkern table OP`.")
+    console.print(escape("[auto] marks the default rule for untuned shapes; tuned shapes follow `flashkern table OP`, "
+                         "and `flashkern explain OP` says what auto runs per shape and why."))
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from flashkern.autotune import store as stores
+    from flashkern.dispatch import explain, reload_tables
+
+    if args.db:  # the tables auto reads come from the default store: point it there
+        os.environ[stores.ENV_VAR] = args.db
+        reload_tables()
+    info = devices.info(args.device)
+    op = registry.get(_op_names([args.op])[0])
+    table = Table(title=f"{op.name}: what backend='auto' runs on {info.describe()}")
+    for col in ("shape", "backend", "config", "why"):
+        table.add_column(col)
+    for problem in _problems(op, args):
+        backend, config, why = explain(op, problem, info)
+        table.add_row(problem.key, backend, json.dumps(config) if config else "", why)
+    console.print(table)
     return 0
 
 
@@ -357,6 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--import", dest="import_file", help="store the decisions of an exported JSON table")
     store_options(p)
     p.set_defaults(func=cmd_table)
+
+    p = sub.add_parser("explain", help="what backend='auto' runs per shape here, and why")
+    p.add_argument("op")
+    p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
+    p.add_argument("--shapes", type=shape_list, default=None,
+                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300)")
+    store_options(p)
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("report", help="per-shape comparison of the stored results, and a PNG plot")
     p.add_argument("op")

@@ -14,6 +14,8 @@ backend="auto" runs, in this order:
   3. the reference when no implementation can run on the device.
 The order of checks is: arguments (named in the error), backend name, device support, config;
 nothing is launched before all of them pass. A tuned table's configs were checked when tuned.
+`explain` says what auto runs for a problem and why (`flashkern explain OP`); FLASHKERN_LOG_DISPATCH=1
+prints each choice to stderr once per (operator, problem, device).
 The checks and the choice are made once per call signature (operator, backend, config, and the
 dtypes, shapes, strides and devices of the tensors with the values of the other arguments) and
 cached (`plan`), so that a repeated call costs a dictionary lookup; nothing on this path reads
@@ -22,6 +24,8 @@ tensor values (value checks run in checked mode only, flashkern.checks).
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
@@ -72,17 +76,32 @@ def reload_tables() -> None:
     _PLANS.clear()
 
 
-def auto_choice(op: Operator, problem, device_info) -> tuple[Implementation | None, dict | None]:
-    """What backend="auto" runs for `problem`: (implementation, config), or (None, None) for the reference."""
+def explain(op: Operator, problem, device_info) -> tuple[str, dict | None, str]:
+    """What backend="auto" runs for `problem` on the device, and why: (backend name, config or None, reason)."""
     entry = table_for(device_info).lookup(op.name, problem)
     if entry is not None:
+        exact = tables.bucket(entry.decision.sizes) == tables.bucket(problem.sizes)
+        why = "tuned: this size bucket" if exact else f"tuned: nearest size bucket (tuned at {entry.decision.sizes})"
         if entry.impl == "reference":
-            return None, None
-        impl = op.implementation(entry.impl)
-        if impl.unavailable(device_info) is None:
-            return impl, entry.config
+            return "reference", None, why
+        reason = op.implementation(entry.impl).unavailable(device_info)
+        if reason is None:
+            return entry.impl, entry.config, why
+        unusable = f"tuned {entry.impl} cannot run here ({reason}); "
+    else:
+        unusable = ""
     impl = rule_choice(op, device_info)
-    return (impl, impl.default_config(problem)) if impl else (None, None)
+    if impl is not None:
+        return impl.name, impl.default_config(problem), f"{unusable}default rule on {device_info.kind}: " \
+            f"{' before '.join(AUTO_ORDER[device_info.kind])}, default config"
+    why = "the reference beats the CPU kernel paths" if device_info.kind == "cpu" else "no kernel can run here"
+    return "reference", None, f"{unusable}default rule on {device_info.kind}: {why}"
+
+
+def auto_choice(op: Operator, problem, device_info) -> tuple[Implementation | None, dict | None]:
+    """What backend="auto" runs for `problem`: (implementation, config), or (None, None) for the reference."""
+    backend, config, _ = explain(op, problem, device_info)
+    return (None, None) if backend == "reference" else (op.implementation(backend), config)
 
 
 def resolve(op: Operator, problem, device_info, backend: str, config) -> tuple[Implementation | None, dict | None]:
@@ -121,6 +140,8 @@ class Plan:
 
 
 _PLANS: dict[tuple, Plan] = {}  # (operator, backend, config, argument metadata) -> Plan
+LOG_DECISIONS = os.environ.get("FLASHKERN_LOG_DISPATCH", "0") not in ("", "0")  # each choice to stderr, once
+_LOGGED: set = set()  # (operator, problem, device) already logged
 MAX_PLANS = 4096  # distinct call signatures kept (a serving process sees one per batch size and layer kind)
 
 
@@ -147,6 +168,11 @@ def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:
     problem = op.check(inputs)
     device = _device_of(inputs)
     made = Plan(problem, *resolve(op, problem, devices.info(device), backend, config), device)
+    if LOG_DECISIONS and (op.name, problem, device) not in _LOGGED:
+        _LOGGED.add((op.name, problem, device))
+        why = explain(op, problem, devices.info(device))[2] if backend == "auto" else "asked for"
+        print(f"flashkern: {op.name} [{problem.key}] on {device}: {made.impl.name if made.impl else 'reference'} "
+              f"{made.config or ''} ({why})", file=sys.stderr)
     if key is not None:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()

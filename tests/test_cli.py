@@ -1,12 +1,14 @@
 """The command line: list, bench and compile-check as a user runs them."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from flashkern import registry
+from flashkern import device as devices
+from flashkern import dispatch, registry
 from flashkern.cli import main
 
 
@@ -20,6 +22,7 @@ def test_list_shows_every_operator_and_where_it_runs():
     for name in registry.operators():
         assert name in proc.stdout
     assert "Triton interpreter" in proc.stdout and "TileLang C target" in proc.stdout
+    assert proc.stdout.count("[auto]") == len(registry.operators()) + 1  # one default per operator, and the legend
 
 
 def test_bench_prints_a_table_per_operator_and_checks_outputs(tmp_path):
@@ -80,3 +83,44 @@ def test_store_info_on_a_missing_path_creates_nothing(tmp_path, capsys):
     assert main(["store", "info", "--db", str(missing)]) == 1
     assert "no store at" in capsys.readouterr().out
     assert not (tmp_path / "typo").exists()
+
+
+def _decision(op, problem, impl: str, config: dict):
+    from flashkern.autotune import identity
+    from flashkern.autotune import store as stores
+
+    return stores.Decision(op.name, problem.key, "", devices.info("cpu").key, identity.op_versions(op),
+                           repr(problem.specialization()), problem.sizes, impl, stores.canonical(config), 1e-5, "test")
+
+
+def test_explain_says_what_auto_runs_and_why(capsys):
+    """The default rule untuned; a tuned size bucket, and the nearest one for another size, from the table."""
+    from flashkern.autotune import table as tables
+    from flashkern.kernels.moe_route import V41_FLASH, RouteProblem
+
+    assert main(["explain", "moe_route", "--shapes", "1,37"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("default rule on cpu: the reference beats the CPU kernel paths") == 4  # 2 shapes x 2 specs
+    op = registry.get("moe_route")
+    tuned = RouteProblem(16, V41_FLASH)
+    config = op.implementation("tilelang").default_config(tuned)
+    info = devices.info("cpu")
+    dispatch._TABLES[info.key] = tables.Table([_decision(op, tuned, "tilelang", config)])
+    try:
+        assert dispatch.explain(op, tuned, info) == ("tilelang", config, "tuned: this size bucket")
+        assert dispatch.explain(op, tuned.with_sizes((300,)), info)[2] == "tuned: nearest size bucket (tuned at (16,))"
+        assert dispatch.auto_choice(op, tuned, info) == (op.implementation("tilelang"), config)
+    finally:
+        dispatch.reload_tables()
+
+
+def test_dispatch_decisions_are_logged_once_per_problem():
+    code = ("import flashkern.ops as ops, torch\n"
+            "x = torch.randn(3, 64)\n"
+            "for _ in range(3): ops.moe_route(x, top_k=2)\n"
+            "ops.moe_route(x, top_k=2, backend='tilelang')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FLASHKERN_LOG_DISPATCH": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("flashkern: moe_route")]
+    assert len(lines) == 1 and "reference" in lines[0] and "default rule on cpu" in lines[0], proc.stderr
