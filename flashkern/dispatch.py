@@ -146,11 +146,12 @@ MAX_PLANS = 4096  # distinct call signatures kept (a serving process sees one pe
 
 
 def _metadata(inputs: dict) -> tuple:
-    """Everything the metadata checks and the backend choice read: every argument's type; per tensor its dtype,
-    shape, strides and device; every other argument's value."""
-    values = tuple(inputs.values())
-    return tuple(map(type, values)), tuple([(v.dtype, v.shape, v.stride(), v.device) if isinstance(v, torch.Tensor)
-                                            else v for v in values])
+    """Everything the metadata checks and the backend choice read: per tensor its dtype, shape, strides and device
+    (and its class, for a tensor subclass); every other argument by class and value. Plain tensors are tested by
+    exact class first: the common case, and the cheapest test."""
+    return tuple([(v.dtype, v.shape, v.stride(), v.device) if v.__class__ is torch.Tensor
+                  else (v.__class__, v) if not isinstance(v, torch.Tensor)
+                  else (v.__class__, v.dtype, v.shape, v.stride(), v.device) for v in inputs.values()])
 
 
 def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:

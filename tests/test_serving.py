@@ -98,6 +98,11 @@ def test_a_cached_plan_never_skips_a_metadata_check():
         op.entry(**{**inputs, "post": inputs["post"].double()})
     with pytest.raises(ValueError, match="^comb is on meta"):
         op.entry(**{**inputs, "comb": inputs["comb"].to("meta")})
+    post = torch.nn.Parameter(inputs["post"], requires_grad=False)  # a tensor subclass: keyed by metadata too
+    op.entry(**{**inputs, "post": post})
+    post.data = post.data.double()
+    with pytest.raises(TypeError, match="^post must be float32"):
+        op.entry(**{**inputs, "post": post})
     op, problem, inputs = _smoke("moe_route")
     op.entry(**{**inputs, "top_k": 1})
     with pytest.raises(TypeError, match="^top_k must be an int"):
