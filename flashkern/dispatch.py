@@ -16,19 +16,22 @@ The order of checks is: arguments (named in the error), backend name, device sup
 nothing is launched before all of them pass. A tuned table's configs were checked when tuned.
 `explain` says what auto runs for a problem and why (`flashkern explain OP`); FLASHKERN_LOG_DISPATCH=1
 prints each choice to stderr once per (operator, problem, device).
-The checks and the choice are made once per call signature (operator, backend, config, and the
-dtypes, shapes, strides and devices of the tensors with the values of the other arguments) and
-cached (`plan`), so that a repeated call costs a dictionary lookup; nothing on this path reads
+The checks and the choice are made once per call signature (operator, backend, config, the values and
+classes of the other arguments, and the class, dtype, device, sizes and strides of every tensor) and
+cached (`CallSite`): a repeated call costs a dictionary lookup and one C++ guard check of its tensors,
+2 to 4 us in all on a 2-core CI machine (benchmarks/dispatch_overhead.py). Nothing on this path reads
 tensor values (value checks run in checked mode only, flashkern.checks).
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import warnings
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 
 from flashkern import checks, library
 from flashkern import device as devices
@@ -73,7 +76,7 @@ def reload_tables() -> None:
     """Forget the loaded tables and the plans chosen from them (after tuning in this process, or to pick up
     another store)."""
     _TABLES.clear()
-    _PLANS.clear()
+    _SITES.clear()
 
 
 def explain(op: Operator, problem, device_info) -> tuple[str, dict | None, str]:
@@ -131,53 +134,102 @@ def resolve(op: Operator, problem, device_info, backend: str, config) -> tuple[I
 
 class Plan:
     """What one call signature runs: the checked problem, the implementation (None: the reference), its config,
-    the device, and the expected outputs' metadata (on the meta device, once a call passes out=)."""
+    the device, op.prepare when it makes kernel views of these arguments (else None), and the expected outputs'
+    metadata (on the meta device, once a call passes out=)."""
 
-    __slots__ = ("problem", "impl", "config", "device", "out_spec")
+    __slots__ = ("problem", "impl", "config", "device", "prepare", "out_spec")
 
-    def __init__(self, problem, impl, config, device):
-        self.problem, self.impl, self.config, self.device, self.out_spec = problem, impl, config, device, None
+    def __init__(self, problem, impl, config, device, prepare):
+        self.problem, self.impl, self.config, self.device = problem, impl, config, device
+        self.prepare, self.out_spec = prepare, None
 
 
-_PLANS: dict[tuple, Plan] = {}  # (operator, backend, config, argument metadata) -> Plan
 LOG_DECISIONS = os.environ.get("FLASHKERN_LOG_DISPATCH", "0") not in ("", "0")  # each choice to stderr, once
 _LOGGED: set = set()  # (operator, problem, device) already logged
-MAX_PLANS = 4096  # distinct call signatures kept (a serving process sees one per batch size and layer kind)
+MAX_PLANS = 64  # call signatures kept per operator and non-tensor arguments (one per batch size in serving)
 
 
-def _metadata(inputs: dict) -> tuple:
-    """Everything the metadata checks and the backend choice read: per tensor its dtype, shape, strides and device
-    (and its class, for a tensor subclass); every other argument by class and value. Plain tensors are tested by
-    exact class first: the common case, and the cheapest test."""
-    return tuple([(v.dtype, v.shape, v.stride(), v.device) if v.__class__ is torch.Tensor
-                  else (v.__class__, v) if not isinstance(v, torch.Tensor)
-                  else (v.__class__, v.dtype, v.shape, v.stride(), v.device) for v in inputs.values()])
+def _getter(names: tuple[str, ...]):
+    """dict -> tuple of the values at `names` (operator.itemgetter, always returning a tuple)."""
+    if len(names) == 1:
+        return lambda values, name=names[0]: (values[name],)
+    return operator.itemgetter(*names) if names else lambda values: ()
+
+
+class CallSite:
+    """One operator's plan cache. A call's arguments split by the entry's annotations: the tensors, matched by
+    dynamo's C++ tensor guard (exact class, dispatch keys, dtype, device, requires_grad, sizes and strides: about
+    0.1 us per tensor), and the rest, keyed by value and class (so True is not 1) with the backend, the config
+    and which optional tensors are None. Plans under one key (one per batch size, say) are tried most recently
+    used first."""
+
+    def __init__(self, op: Operator):
+        params = library.parameters(op.entry)
+        required = tuple(p.name for p in params if p.type == "Tensor")
+        self.tensor_names = required + tuple(p.name for p in params if p.type == "Tensor?")
+        self.arguments = _getter(self.tensor_names + tuple(p.name for p in params if p.name not in self.tensor_names))
+        self.required = len(required)
+        self.plans: dict[tuple, tuple] = {}  # key -> (getter of the tensors given, [(TensorGuards, Plan)] MRU last)
+
+    def find(self, inputs: dict, backend: str, config: dict | None) -> tuple[Plan | None, tuple | None]:
+        """(cached plan or None, key or None when an argument is unhashable: the checks will name it)."""
+        values = self.arguments(inputs)
+        key = (backend, None if config is None else tuple(sorted(config.items())), values[len(self.tensor_names):],
+               tuple(map(type, values[self.required:])))  # classes: True is not 1; which optional tensors are None
+        try:
+            found = self.plans.get(key)
+        except TypeError:
+            return None, None
+        if found is not None:
+            given, plans = found
+            tensors = given(inputs)
+            if plans[-1][0].check(*tensors):
+                return plans[-1][1], key
+            for i in range(len(plans) - 2, -1, -1):
+                if plans[i][0].check(*tensors):
+                    plans.append(plans.pop(i))
+                    return plans[-1][1], key
+        return None, key
+
+    def add(self, key: tuple, inputs: dict, made: Plan) -> None:
+        if key not in self.plans:
+            self.plans[key] = (_getter(tuple(n for n in self.tensor_names if inputs[n] is not None)), [])
+        given, plans = self.plans[key]
+        tensors = given(inputs)
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                              dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        if len(plans) >= MAX_PLANS:
+            del plans[0]
+        plans.append((guards, made))
+
+
+_SITES: dict[str, CallSite] = {}  # operator name -> its plan cache
 
 
 def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:
-    """The checked plan for a call, cached per argument metadata: a repeated call signature skips the checks and
-    the backend choice. `inputs` leaves in the form the kernels take (op.prepare; the check applies it too)."""
-    try:
-        key = (op.name, backend, None if config is None else tuple(sorted(config.items())), _metadata(inputs))
-        found = _PLANS.get(key)
-    except TypeError:  # an unhashable argument, which the checks will name
-        key = found = None
+    """The checked plan for a call, cached per call signature: a repeated signature skips the checks and the
+    backend choice. `inputs` leaves in the form the kernels take (op.prepare; the check applies it too)."""
+    site = _SITES.get(op.name)
+    if site is None:
+        site = _SITES[op.name] = CallSite(op)
+    found, key = site.find(inputs, backend, config)
     if found is not None:
-        if op.prepare is not None:
-            op.prepare(inputs)
+        if found.prepare is not None:
+            found.prepare(inputs)
         return found
+    given = dict(inputs)  # the plan is keyed by the arguments as given, before op.prepare
     problem = op.check(inputs)
     device = _device_of(inputs)
-    made = Plan(problem, *resolve(op, problem, devices.info(device), backend, config), device)
+    views = any(inputs[name] is not value for name, value in given.items())  # what op.prepare did to them
+    made = Plan(problem, *resolve(op, problem, devices.info(device), backend, config), device,
+                op.prepare if views else None)
     if LOG_DECISIONS and (op.name, problem, device) not in _LOGGED:
         _LOGGED.add((op.name, problem, device))
         why = explain(op, problem, devices.info(device))[2] if backend == "auto" else "asked for"
         print(f"flashkern: {op.name} [{problem.key}] on {device}: {made.impl.name if made.impl else 'reference'} "
               f"{made.config or ''} ({why})", file=sys.stderr)
     if key is not None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = made
+        site.add(key, given, made)
     return made
 
 

@@ -60,27 +60,39 @@ def _result(annotation) -> tuple[str, type | None]:
     return "(" + ", ".join(["Tensor"] * len(fields)) + ")", annotation if hasattr(annotation, "_fields") else None
 
 
-def schema(entry) -> tuple[str, dict, type | None]:
-    """(schema without the name, the operator's parameters as name -> (default or `inspect.Parameter.empty`,
-    keyword-only), result type) from an annotated entry point."""
-    signature = inspect.signature(entry, eval_str=True)
-    parts, params, keyword_only = [], {}, False
-    for param in signature.parameters.values():
-        if param.name in ("backend", "config", "out"):
-            continue
-        if param.kind is param.KEYWORD_ONLY and not keyword_only:
+class Parameter(typing.NamedTuple):
+    name: str
+    type: str  # its schema type: "Tensor", "Tensor?", "int", "float", ...
+    default: typing.Any  # inspect.Parameter.empty when required
+    keyword_only: bool
+
+
+def parameters(entry) -> tuple[Parameter, ...]:
+    """An annotated entry point's operator parameters (all but backend, config and out), in order."""
+    found = []
+    for param in inspect.signature(entry, eval_str=True).parameters.values():
+        if param.name not in ("backend", "config", "out"):
+            found.append(Parameter(param.name, _schema_type(param.name, param.annotation), param.default,
+                                   param.kind is param.KEYWORD_ONLY))
+    return tuple(found)
+
+
+def schema(entry) -> tuple[str, type | None]:
+    """(schema without the name, result type) from an annotated entry point."""
+    parts, keyword_only = [], False
+    for param in parameters(entry):
+        if param.keyword_only and not keyword_only:
             parts.append("*")
             keyword_only = True
-        text = f"{_schema_type(param.name, param.annotation)} {param.name}"
-        if param.default is not param.empty:
+        text = f"{param.type} {param.name}"
+        if param.default is not inspect.Parameter.empty:
             text += "=" + _schema_default(param.default)
         parts.append(text)
-        params[param.name] = (param.default, keyword_only)
     if not keyword_only:
         parts.append("*")
     parts += ['str backend="auto"', "str? config=None"]
-    returns, result_type = _result(signature.return_annotation)
-    return f"({', '.join(parts)}) -> {returns}", params, result_type
+    returns, result_type = _result(inspect.signature(entry, eval_str=True).return_annotation)
+    return f"({', '.join(parts)}) -> {returns}", result_type
 
 
 def _as_result(value):
@@ -91,16 +103,19 @@ def register(op) -> None:
     """Define torch.ops.flashkern.<op.name> with CPU, CUDA and fake kernels (once per process)."""
     from flashkern import dispatch
 
-    text, params, result_type = schema(op.entry)
-    names = tuple(params)
-    defaults = {name: default for name, (default, _) in params.items() if default is not inspect.Parameter.empty}
-    keywords = tuple(name for name, (_, keyword_only) in params.items() if keyword_only)
+    text, result_type = schema(op.entry)
+    params = parameters(op.entry)
+    names = tuple(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    keywords = tuple(p.name for p in params if p.keyword_only)
     _LIBRARY.define(op.name + text)
 
     def inputs_of(args, kwargs) -> tuple[dict, str, str | None]:
         """The dispatcher passes positional parameters positionally, keyword-only ones by name unless defaulted."""
         backend, config = kwargs.pop("backend", "auto"), kwargs.pop("config", None)
-        return {**defaults, **dict(zip(names, args)), **kwargs}, backend, config
+        inputs = {**defaults, **kwargs}
+        inputs.update(zip(names, args))
+        return inputs, backend, config
 
     def run(*args, **kwargs):
         inputs, backend, config = inputs_of(args, kwargs)

@@ -111,7 +111,8 @@ class Operator:
     cost: Callable[[Any], Cost]
     presets: dict[str, tuple]  # name -> problems
     check_values: Callable[[dict, Any], None] | None = None  # (inputs, problem): index ranges, in checked mode
-    prepare: Callable[[dict], None] | None = None  # zero-copy kernel views of accepted forms (check applies it too)
+    prepare: Callable[[dict], None] | None = None  # zero-copy kernel views of accepted forms, from metadata only
+    # (check applies it too; a cached plan records whether it changes anything for its call signature)
 
     def __post_init__(self):
         from flashkern import library

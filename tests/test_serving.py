@@ -109,6 +109,38 @@ def test_a_cached_plan_never_skips_a_metadata_check():
         op.entry(**{**inputs, "top_k": True})
 
 
+def _fused_paged(inputs: dict) -> dict:
+    """The same fp8 paged inputs with DeepGEMM's fused cache: each page's keys then their scales, k_scale None."""
+    cache, scale = inputs["k_cache"], inputs["k_scale"]
+    pages = torch.cat((cache.view(torch.uint8).flatten(1), scale.view(torch.uint8).flatten(1)), dim=1)
+    return {**inputs, "k_cache": pages.view(cache.shape[0], cache.shape[1], 1, -1), "k_scale": None}
+
+
+def test_cached_plans_match_fresh_ones_across_signatures():
+    """Calls alternating between shapes (a plan each), optional tensors given and not, and the fused paged cache
+    beside the separate form: every cached call equals the same call planned afresh, bitwise."""
+    cases = []
+    for name in ("mhc_pre", "moe_route", "paged_mqa_logits"):
+        op = registry.get(name)
+        for seed, problem in enumerate(op.presets["smoke"][:2]):
+            cases.append((op, op.make_inputs(problem, DEVICE, seed)))
+    mhc_pre, inputs = cases[1]
+    pre_mix = torch.rand(inputs["residual"].shape[:2], device=DEVICE)
+    cases += [(mhc_pre, {**inputs, "pre_mix": pre_mix, "delayed": None}), (mhc_pre, {**inputs, "delayed": True})]
+    separate = next(i for i, (op, _) in enumerate(cases) if op.name == "paged_mqa_logits")
+    cases.append((cases[separate][0], _fused_paged(cases[separate][1])))
+    fresh = []
+    for op, inputs in cases:
+        dispatch.reload_tables()
+        fresh.append(op.entry(**inputs, backend="triton"))
+    _assert_identical(fresh[separate], fresh[-1])  # the fused form holds the separate form's data
+    for order in (slice(None), slice(None, None, -1)):
+        dispatch.reload_tables()
+        for _ in range(2):
+            for (op, inputs), expected in list(zip(cases, fresh))[order]:
+                _assert_identical(expected, op.entry(**inputs, backend="triton"))
+
+
 # ---------------------------------------------------------------- caller-provided outputs
 
 
