@@ -66,10 +66,14 @@ def versions(op, impl_name: str) -> str:
     return json.dumps({**library_versions(), "source": source_hash(_entry_module(op, impl_name))}, sort_keys=True)
 
 
+def source_versions(op) -> dict[str, str]:
+    """Per backend of `op`, the hash of its source (the reference's or the kernel module's)."""
+    return {name: source_hash(_entry_module(op, name)) for name in op.backends}
+
+
 def op_versions(op) -> str:
     """The versions of every candidate of `op`: a decision is current only while all of them are."""
-    sources = {name: source_hash(_entry_module(op, name)) for name in op.backends}
-    return json.dumps({**library_versions(), "sources": sources}, sort_keys=True)
+    return json.dumps({**library_versions(), "sources": source_versions(op)}, sort_keys=True)
 
 
 def dtypes(inputs: dict) -> str:

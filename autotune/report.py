@@ -58,8 +58,9 @@ def _common_words(shapes: list[str]) -> str:
     return " ".join(w for w in words if all(w in s.split() for s in shapes))
 
 
-def plot(shape_rows: list[ShapeRow], backends, title: str, path: str) -> None:
-    """Time per backend against size, one panel per specialization (log-log), as a PNG."""
+def plot(shape_rows: list[ShapeRow], backends, title: str, path: str, modelled: dict | None = None) -> None:
+    """Time per backend against size, one panel per specialization (log-log), as a PNG; dashed, the performance
+    model's predicted H200 time per kernel (`modelled`: backend -> shape key -> seconds) at the shapes it covers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,6 +76,11 @@ def plot(shape_rows: list[ShapeRow], backends, title: str, path: str) -> None:
             points = [(r.sizes[0], r.best[backend].median * 1e6) for r in rows_ if backend in r.best]
             if points:
                 ax.plot(*zip(*points), marker=marker, label=backend)
+            predicted = [(r.sizes[0], (modelled or {}).get(backend, {})[r.shape] * 1e6) for r in rows_
+                         if r.shape in (modelled or {}).get(backend, {})]
+            if predicted:
+                ax.plot(*zip(*predicted), linestyle="--", marker=marker, fillstyle="none",
+                        label=f"{backend}, H200 model")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(" ".join(w for w in rows_[0].shape.split() if w not in shared.split()).split("=")[0] or "size")

@@ -9,6 +9,8 @@ natively on CUDA, or under Triton's interpreter where no GPU is present. An expl
 TRITON_INTERPRET in the environment always wins.
 """
 
+import contextlib
+import contextvars
 import os
 
 __version__ = "0.1.0"
@@ -29,9 +31,24 @@ _choose_triton_mode()
 _TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_PLANNING_FOR_GPU = contextvars.ContextVar("flashkern_planning_for_gpu", default=False)
+
+
 def triton_interpreted() -> bool:
-    """True when this process's Triton kernels run under the interpreter (decided at import)."""
-    return _TRITON_INTERPRETED
+    """True when this process's Triton kernels run under the interpreter (decided at import), unless inside
+    `planning_for_gpu()`."""
+    return _TRITON_INTERPRETED and not _PLANNING_FOR_GPU.get()
+
+
+@contextlib.contextmanager
+def planning_for_gpu():
+    """Inside: configs and tile shapes are chosen as on a GPU, though the interpreter still runs launches (the
+    performance model counts the GPU design's traffic this way; flashkern.model)."""
+    token = _PLANNING_FOR_GPU.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING_FOR_GPU.reset(token)
 
 
 from flashkern.checks import checked, checked_mode  # noqa: E402  (after the Triton mode is decided)

@@ -3,6 +3,8 @@
   flashkern list                         operators, and which implementations run here (and why not)
   flashkern bench [OP ...] [--preset P]  time every backend at a preset's shapes (default: smoke)
   flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
+  flashkern model [OP ...] [--preset P]  predicted H200 time and roofline fraction per kernel (a model; bench
+                                         and report show the saved one, docs/model-h200.json)
   flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
   flashkern table OP                     what backend="auto" runs per shape here; --export / --import JSON
   flashkern explain OP [--shapes 1,37]   what backend="auto" runs per shape here, and why
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -99,10 +102,18 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f}" if seconds < 1e-2 else f"{seconds * 1e6:,.0f}"
 
 
+def _modelled(records: dict, op, problem_key: str) -> str:
+    """The saved H200 model's time and roofline fraction per kernel for one shape, e.g. 'triton 12 (45%)'."""
+    found = [(impl.name, records.get((op.name, impl.name, problem_key))) for impl in op.implementations]
+    return ", ".join(f"{name} {_us(r['model_seconds'])} ({r['roofline_fraction']:.0%})" for name, r in found if r) or "—"
+
+
 def cmd_bench(args) -> int:
+    from flashkern import model
     from flashkern.bench import bench
 
     names = _op_names(args.ops)
+    records = model.current_records()
     preset = _preset(names, args.preset)
     info = devices.info(args.device)
     backends = args.backends.split(",") if args.backends else None
@@ -119,6 +130,7 @@ def cmd_bench(args) -> int:
         for backend in op.backends:
             table.add_column(backend, justify="right")
         table.add_column("best vs reference", justify="right")
+        table.add_column("H200 model µs (roofline)", justify="right")
         for problem in _problems(op, args):
             cells = {r.backend: r for r in rows if r.op == name and r.problem == problem}
             ref_time = cells["reference"].timing.median
@@ -135,6 +147,7 @@ def cmd_bench(args) -> int:
                 if backend != "reference" and not star and (best is None or r.timing.median < best[1]):
                     best = (backend, r.timing.median)
             row.append(f"{best[0]} {ref_time / best[1]:.2f}x" if best else "—")
+            row.append(_modelled(records, op, problem.key))
             table.add_row(*row)
         console.print(table)
     if args.json:
@@ -177,8 +190,88 @@ def cmd_compile_check(args) -> int:
         with open(args.json, "w") as f:
             json.dump([dict(op=r.job.op, impl=r.job.impl, problem=r.job.problem.key, config=r.config,
                             default=r.job.default, ok=r.ok, skipped=r.skipped, error=r.error, seconds=r.seconds,
-                            **(r.report.__dict__ if r.report else {})) for r in results], f, indent=1)
+                            **(dataclasses.asdict(r.report) if r.report else {})) for r in results], f, indent=1)
     return 0 if all(r.ok or r.skipped for r in results) else 1
+
+
+def _with_preset(op_names: list[str], preset: str) -> list[str]:
+    """The operators that have `preset`; the others are named as skipped."""
+    having = [name for name in op_names if preset in registry.get(name).presets]
+    skipped = sorted(set(op_names) - set(having))
+    if skipped:
+        console.print(f"no preset {preset!r}, skipped: {', '.join(skipped)}")
+    return having
+
+
+def _census_text(census) -> str:
+    """Tensor cores, copy path, widest global load per thread, atomics: e.g. 'wgmma fp8, TMA, 16B'."""
+    parts = [f"wgmma {census.mma_input}" if census.wgmma else f"mma {census.mma_input}" if census.mma_sync else "FMA",
+             "TMA" if census.tma else "cp.async" if census.cp_async else "ld", f"{census.widest_load}B"]
+    atomics = census.global_atomics + census.shared_atomics
+    return ", ".join(parts + ([f"{atomics} atom"] if atomics else []))
+
+
+def _model_markdown(rows, device, args) -> str:
+    """The default configs' predictions as a Markdown table, headed by the command that made it."""
+    command = " ".join(["flashkern model", *args.ops, "--preset", args.preset, "--device", args.device,
+                        "--markdown", args.markdown] + (["--json", args.json] if args.json else []))
+    lines = [f"Predicted by a model of the {device.name}, not measured (`{command}`; flashkern.model).", "",
+             "| operator | impl | shape | model µs | roof µs | roofline | bytes / minimum | CTAs | census |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if not r.default:
+            continue
+        p = r.prediction
+        if p is None:
+            lines.append(f"| {r.op} | {r.impl} | {r.problem.key} | not modelled: {r.error[:60]} | | | | | |")
+            continue
+        lines.append(f"| {r.op} | {r.impl} | {r.problem.key} | {p.seconds * 1e6:.1f} | {p.roof_seconds * 1e6:.1f} | "
+                     f"{p.roofline_fraction:.0%} | {p.traffic_ratio:.2f} | "
+                     f"{'+'.join(str(s.traffic.ctas) for s in p.stages)} | {_census_text(p.census)} |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_model(args) -> int:
+    from flashkern import model
+
+    device = model.DEVICES[args.device]
+    names = _with_preset(_op_names(args.ops), args.preset)
+    with Progress(TextColumn("model: builds, then traffic"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("model", total=None)
+        rows = model.evaluate(names, args.preset, device, args.sample, args.seed, args.jobs,
+                              on_step=lambda done, total: progress.update(task, completed=done, total=total))
+    table = Table(title=f"{device.name} performance MODEL, not a measurement (flashkern.model; {args.preset} preset)",
+                  title_justify="left")
+    for col in ("operator", "impl", "problem", "config", "CTAs", "per SM", "fill", "MB moved", "x min", "census",
+                "model us", "roof us", "roofline"):
+        table.add_column(col, justify="left" if col in ("operator", "impl", "problem", "config", "census") else "right")
+    for r in rows:
+        config = "default" if r.default else ", ".join(f"{k}={v}" for k, v in r.config.items())
+        p = r.prediction
+        if p is None:
+            table.add_row(r.op, r.impl, r.problem.key, config, *["—"] * 5, "[red]not modelled[/red]", "—", "—", "—")
+            continue
+        widest = max(p.stages, key=lambda s: s.traffic.ctas)
+        table.add_row(r.op, r.impl, r.problem.key, config, "+".join(str(s.traffic.ctas) for s in p.stages),
+                      f"{widest.occupancy.ctas_per_sm} ({widest.occupancy.limiter})", f"{widest.fill:.0%}",
+                      f"{p.traffic / 1e6:.2f}", f"{p.traffic_ratio:.2f}", _census_text(p.census),
+                      f"{p.seconds * 1e6:.1f}", f"{p.roof_seconds * 1e6:.2f}", f"{p.roofline_fraction:.1%}")
+    console.print(table)
+    for r in rows:
+        if r.prediction is None:
+            console.print(f"[red]{r.op}/{r.impl} {escape(r.problem.key)}[/red]: {escape(r.error)}")
+    console.print(f"model: time = max(bytes / ({model.MEMORY_EFFICIENCY:.0%} of HBM), flops / ({model.MATH_EFFICIENCY:.0%} "
+                  f"of the peak of the arithmetic built)) / fill + {model.LAUNCH_SECONDS * 1e6:.0f} us per launch; roof = one "
+                  f"launch + the operator's bytes at HBM peak or flops at its arithmetic's peak; "
+                  f"device figures: {device.sources}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.record() for r in rows], f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(_model_markdown(rows, device, args))
+    return 0 if all(r.prediction for r in rows) else 1
 
 
 def _store(args):
@@ -265,9 +358,11 @@ def cmd_table(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from flashkern import model
     from flashkern.autotune import report
 
     op = registry.get(_op_names([args.op])[0])
+    records = model.current_records()
     info = devices.info(args.device)
     with _store(args) as store:
         shape_rows = report.rows(store, op, info.key)
@@ -287,6 +382,7 @@ def cmd_report(args) -> int:
         table.add_column(backend, justify="right")
     table.add_column("speedup", justify="right")
     table.add_column("auto")
+    table.add_column("H200 model µs (roofline)", justify="right")
     for row in shape_rows:
         cells = []
         for backend in op.backends:
@@ -297,7 +393,7 @@ def cmd_report(args) -> int:
         best = min(kernels, key=lambda r: r.median) if kernels else None
         speedup = f"{best.key.impl} {ref.median / best.median:.2f}x" if best and ref else "—"
         auto = row.decision.impl if row.decision else "—"
-        table.add_row(row.shape, _size(row.bytes), *cells, speedup, auto)
+        table.add_row(row.shape, _size(row.bytes), *cells, speedup, auto, _modelled(records, op, row.shape))
     console.print(table)
     failed = [r for row in shape_rows for r in row.failed]
     for r in failed[:20]:
@@ -305,7 +401,9 @@ def cmd_report(args) -> int:
     if len(failed) > 20:
         console.print(f"  ... and {len(failed) - 20} more failed candidates")
     path = args.plot or f"{op.name}-{info.kind}.png"
-    report.plot(shape_rows, op.backends, f"{op.name} on {info.describe()}", path)
+    modelled = {impl.name: {shape: r["model_seconds"] for (name, backend, shape), r in records.items()
+                            if name == op.name and backend == impl.name} for impl in op.implementations}
+    report.plot(shape_rows, op.backends, f"{op.name} on {info.describe()}", path, modelled)
     console.print(f"plot: {path}")
     return 0
 
@@ -357,6 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=cmd_compile_check)
+
+    p = sub.add_parser("model", help="predicted time and roofline fraction per kernel on a GPU (a model)")
+    p.add_argument("ops", nargs="*", help="operators (default: all that have the preset)")
+    p.add_argument("--preset", default="v41-flash", help="shape preset (default: v41-flash)")
+    p.add_argument("--device", default="h200", choices=("h200", "h100", "b200"), help="GPU modelled (default: h200)")
+    p.add_argument("--sample", type=int, default=0, help="sampled configs per implementation besides the default")
+    p.add_argument("--seed", type=int, default=0, help="seed of the config sample")
+    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--json", help="also write the rows (with every stage) to this JSON file")
+    p.add_argument("--markdown", help="also write the default configs' rows as a Markdown table to this file")
+    p.set_defaults(func=cmd_model)
 
     def store_options(p):
         p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")

@@ -1,9 +1,10 @@
 """GPU build check without a GPU: every implementation lowers and compiles for sm_90a.
 
-For each operator and each distinct kernel specialization in a preset, the default config
+For each operator and each distinct build of a preset's shapes (Triton: every shape, specialized as its JIT
+specializes the launch arguments; TileLang: every kernel specialization, sizes dynamic), the default config
 and a reproducible sample of the tuning space are built:
   Triton:   ahead-of-time compile for GPUTarget("cuda", 90, 32), then Triton's ptxas -v;
-  TileLang: the GPU flavour lowered for sm_90a, then nvcc -cubin --resource-usage.
+  TileLang: the GPU flavour lowered for sm_90a, then nvcc -ptx and -cubin --resource-usage.
 Builds run in parallel worker processes started with TRITON_INTERPRET=0 (interpreted
 kernels cannot be compiled). TileLang builds need nvcc; where it is absent they are
 reported as skipped, never as passed.
@@ -39,29 +40,35 @@ class BuildJob:
 class BuildResult:
     job: BuildJob
     config: dict  # the config that was built
-    report: BuildReport | None
+    stages: tuple[BuildReport, ...] | None  # one report per kernel launch, in order
     seconds: float
     error: str = ""
     skipped: bool = False  # the toolchain for this build is missing here
 
     @property
     def ok(self) -> bool:
-        return self.report is not None
+        return self.stages is not None
+
+    @property
+    def report(self) -> BuildReport | None:
+        """The stages' largest figures."""
+        return None if self.stages is None else BuildReport.merge(self.stages)
 
 
 def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> list[BuildJob]:
-    """Default config plus `sample` more configs per implementation and distinct specialization.
+    """Default config plus `sample` more configs per implementation and distinct build of the preset's shapes: per
+    shape for Triton (its JIT specializes on integer values), per kernel specialization for TileLang.
 
     Defaults are resolved in the (non-interpreted) build worker: they are the GPU defaults.
     """
     jobs = []
     for name in op_names:
         op = registry.get(name)
-        problems = {}
-        for problem in op.presets[preset]:
-            problems.setdefault(problem.specialization(), problem)
-        for problem in problems.values():
-            for impl in op.implementations:
+        for impl in op.implementations:
+            problems = {}
+            for problem in op.presets[preset]:
+                problems.setdefault(impl.kernel.build_key(problem), problem)
+            for problem in problems.values():
                 jobs.append(BuildJob(name, impl.name, problem, None))
                 jobs += [BuildJob(name, impl.name, problem, c) for c in impl.space.sample(problem, sample, seed)]
     return jobs
@@ -79,8 +86,9 @@ def build(job: BuildJob) -> BuildResult:
         return BuildResult(job, config, None, 0.0, "nvcc not found", skipped=True)
     try:
         inputs = op.make_inputs(job.problem, "cpu", 0)
-        report = impl.build_sm90(job.problem, inputs, config, op.empty_outputs(job.problem, inputs))
-        return BuildResult(job, config, report, time.perf_counter() - start)
+        op.check(inputs)  # the kernel views of accepted forms
+        stages = impl.build_stages_sm90(job.problem, inputs, config, op.empty_outputs(job.problem, inputs))
+        return BuildResult(job, config, stages, time.perf_counter() - start)
     except Exception as exc:  # a failed build is a result to report, not a crash of the check
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         return BuildResult(job, config, None, time.perf_counter() - start, detail[-2000:])

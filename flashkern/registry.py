@@ -73,16 +73,19 @@ class SizedProblem:
 
 @dataclass(frozen=True)
 class Cost:
-    """Work per call: arithmetic operations and the bytes the operator must move (inputs + outputs once)."""
+    """Work per call: arithmetic operations, the bytes the operator must move (inputs + outputs once), and the
+    fastest arithmetic its inputs allow (fp8, bf16 or tf32 tensor cores, or fp32: CUDA cores), which sets the
+    operator's compute roof in the performance model (flashkern.model)."""
 
     flops: float
     bytes: float
+    math: str = "fp32"
 
 
 @dataclass(frozen=True)
 class Implementation:
     name: str  # "triton" or "tilelang"
-    kernel: Any  # TritonKernel or TileLangKernel: run / build_sm90 / unavailable / cpu_mode
+    kernel: Any  # TritonKernel or TileLangKernel: run / build_sm90 / build_stages_sm90 / traffic / unavailable / cpu_mode
     space: Space
     default_config: Callable[[Any], Config]
 
@@ -95,6 +98,12 @@ class Implementation:
 
     def build_sm90(self, problem, inputs: dict, config: Config, out):
         return self.kernel.build_sm90(problem, inputs, config, out)
+
+    def build_stages_sm90(self, problem, inputs: dict, config: Config, out):
+        return self.kernel.build_stages_sm90(problem, inputs, config, out)
+
+    def traffic(self, problem, inputs: dict, config: Config, out):
+        return self.kernel.traffic(problem, inputs, config, out)
 
 
 @dataclass(frozen=True)

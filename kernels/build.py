@@ -1,14 +1,80 @@
-"""The sm_90a build report shared by both DSLs: registers, spills and shared memory per kernel.
+"""The sm_90a build report shared by both DSLs: registers, spills, shared memory and an instruction census per
+kernel, and the traffic record the performance model (flashkern.model) reads.
 
-Both paths end in ptxas (nvcc for TileLang's CUDA source, Triton's bundled ptxas for its PTX),
-so one parser reads both `-v` outputs.
+Both paths go through PTX and end in ptxas (TileLang's CUDA source through nvcc -ptx, Triton's own PTX), so one
+parser reads both `-v` outputs and one census reads both PTX texts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
+
+
+_MMA_TYPES = (("e4m3", "fp8"), ("e5m2", "fp8"), ("bf16", "bf16"), ("f16", "fp16"), ("tf32", "tf32"), ("s8", "int8"))
+_TENSOR_CORE = re.compile(r"^\s*(?:@\S+\s+)?(wgmma\.mma_async|mma\.sync)\S*", re.M)
+_GLOBAL = re.compile(r"^\s*(?:@\S+\s+)?(ld|st)\.global\S*", re.M)
+_WIDTH = re.compile(r"\.v(\d)|\.[busf](\d+)\b")
+
+
+def _access_bytes(instruction: str) -> int:
+    """Bytes one thread moves with a ld/st instruction such as ld.global.nc.v4.b32 (16)."""
+    lanes, bits = 1, 0
+    for vector, width in _WIDTH.findall(instruction):
+        lanes = int(vector) if vector else lanes
+        bits = int(width) if width else bits
+    return lanes * bits // 8
+
+
+@dataclass(frozen=True)
+class Census:
+    """Static instruction counts in a kernel's PTX: each instruction once where it is written (a loop body counts
+    once, an unrolled loop once per copy). Which tensor-core paths, copy engines and vector widths a build uses;
+    not how often they run."""
+
+    wgmma: int = 0  # Hopper warpgroup MMA (wgmma.mma_async)
+    mma_sync: int = 0  # warp-level MMA (mma.sync)
+    mma_input: str = ""  # tensor-core input type: fp8, bf16, fp16, tf32, int8; "" without MMA
+    cp_async: int = 0  # Ampere asynchronous global -> shared copies
+    tma: int = 0  # Hopper tensor-memory-accelerator copies (cp.async.bulk.tensor)
+    global_loads: int = 0
+    widest_load: int = 0  # bytes per thread of the widest global load (16: 128-bit vectors)
+    global_stores: int = 0
+    global_atomics: int = 0  # atom.global / red.global
+    shared_atomics: int = 0
+    barriers: int = 0  # bar.sync / barrier.sync and mbarrier operations
+
+    @staticmethod
+    def of(ptx: str) -> Census:
+        mma = _TENSOR_CORE.findall(ptx)
+        first = _TENSOR_CORE.search(ptx)
+        mma_input = ""
+        if first:
+            line = ptx[first.start(): ptx.find("\n", first.start())]
+            mma_input = next((kind for suffix, kind in _MMA_TYPES if f".{suffix}" in line), "other")
+        loads = [m.group(0) for m in _GLOBAL.finditer(ptx) if m.group(1) == "ld"]
+        return Census(
+            wgmma=mma.count("wgmma.mma_async"), mma_sync=mma.count("mma.sync"), mma_input=mma_input,
+            cp_async=len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)), tma=len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+            global_loads=len(loads), widest_load=max(map(_access_bytes, loads), default=0),
+            global_stores=sum(1 for m in _GLOBAL.finditer(ptx) if m.group(1) == "st"),
+            global_atomics=len(re.findall(r"\b(?:atom|red)\.global", ptx)),
+            shared_atomics=len(re.findall(r"\b(?:atom|red)\.shared", ptx)),
+            barriers=len(re.findall(r"\b(?:bar\.sync|barrier\.sync|bar\.arrive|mbarrier\.)", ptx)),
+        )
+
+    @staticmethod
+    def total(censuses) -> Census:
+        """Counts summed over kernels; the widest load and the first tensor-core type found."""
+        censuses = list(censuses)
+        counts = {f.name: sum(getattr(c, f.name) for c in censuses) for f in dataclasses.fields(Census)
+                  if f.name not in ("mma_input", "widest_load")}
+        return Census(**counts, widest_load=max((c.widest_load for c in censuses), default=0),
+                      mma_input=next((c.mma_input for c in censuses if c.mma_input), ""))
 
 
 @dataclass(frozen=True)
@@ -19,7 +85,7 @@ class BuildReport:
     stack: int = 0  # bytes of stack frame per thread
     smem: int = 0  # bytes of shared memory per block (static + dynamic)
     threads: int = 0  # per block
-    wgmma: bool = False  # Hopper warpgroup MMA present in the generated code
+    census: Census = Census()  # instructions in the PTX
 
     def with_(self, **changes) -> BuildReport:
         return dataclasses.replace(self, **changes)
@@ -34,7 +100,12 @@ class BuildReport:
         reports = list(reports)
         fields = ("registers", "spill_stores", "spill_loads", "stack", "smem", "threads")
         merged = {name: max(getattr(r, name) for r in reports) for name in fields}
-        return BuildReport(**merged, wgmma=any(r.wgmma for r in reports))
+        return BuildReport(**merged, census=Census.total(r.census for r in reports))
+
+    @property
+    def wgmma(self) -> bool:
+        """Hopper warpgroup MMA present in the generated code."""
+        return self.census.wgmma > 0
 
 
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
@@ -56,3 +127,39 @@ def parse_ptxas(text: str) -> BuildReport:
     if not found:
         raise RuntimeError("no register usage in the ptxas output:\n" + text[-2000:])
     return BuildReport(registers=regs, spill_stores=stores, spill_loads=loads, stack=stack, smem=smem)
+
+
+def assemble(ptx: str, command: list[str]) -> BuildReport:
+    """Assemble `ptx` for sm_90a with `command` (a ptxas, or nvcc -cubin, with its verbose resource flag; the PTX
+    path and `-o cubin` are appended): resources from its output, the census from the PTX."""
+    with tempfile.TemporaryDirectory(prefix="flashkern-sm90-") as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([*command, path, "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(command[0])} failed:\n" + (proc.stderr or proc.stdout)[-4000:])
+    return parse_ptxas(proc.stdout + proc.stderr).with_(census=Census.of(ptx))
+
+
+@dataclass(frozen=True)
+class LaunchTraffic:
+    """Global-memory traffic of one kernel launch as its design requests it (a model input, not a measurement).
+
+    Every byte a load or store asks of global memory counts, each time it is asked: data re-read by a CTA or by
+    many CTAs, partials written and read back. Masked-off lanes move nothing. Whether L2 would serve a re-read is
+    the model's business, not this count's.
+    """
+
+    ctas: int  # CTAs in the grid
+    bytes_read: float  # loads (and the read half of atomics), all CTAs
+    bytes_written: float  # stores (and the write half of atomics), all CTAs
+    sampled: int  # CTAs actually counted; the totals are scaled from them when fewer than ctas
+    exact: bool = True  # False: an upper bound (conditions the count could not evaluate were taken as true)
+
+    @property
+    def bytes(self) -> float:
+        return self.bytes_read + self.bytes_written
+
+
+NO_TRAFFIC = LaunchTraffic(ctas=0, bytes_read=0, bytes_written=0, sampled=0)  # a stage with nothing to launch

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session in one run, no network needed: the equivalence suite on CUDA (the sm_90a builds run in CI),
 # the serving path (CUDA-graph capture and replay of every operator, no host reads, torch.compile),
-# smoke-preset tuning, dispatch tables (JSON), reports and plots, benchmarks and logs, all
+# smoke-preset tuning, dispatch tables (JSON), reports and plots, benchmarks, the performance model's
+# predictions against the measured times (docs/model-h200.json vs bench.json) and logs, all
 # written into OUT_DIR, with a one-line-per-step summary in OUT_DIR/summary.txt. The step limits sum to
 # 570 s, inside the project's per-command time budget of 600 s on the lent GPU machine; nothing here has
 # run on an H200 yet. A failed step does not stop the others. Details: docs/gpu.md.
@@ -40,12 +41,14 @@ step tests-layouts-compat 75 "$py" -m pytest tests/test_layouts.py tests/test_vl
 step tests-serving 50 "$py" -m pytest tests/test_serving.py -q -p no:cacheprovider --junitxml="$out/tests-serving.xml"
 for op in mqa_logits; do
     step "tune-$op" 35 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
-    step "table-$op" 15 "$py" -m flashkern table "$op" --export "$out/table-$op.json"
-    step "report-$op" 15 "$py" -m flashkern report "$op" --plot "$out/$op.png"
+    step "table-$op" 10 "$py" -m flashkern table "$op" --export "$out/table-$op.json"
+    step "report-$op" 10 "$py" -m flashkern report "$op" --plot "$out/$op.png"
 done
 step bench 30 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
 step indexer-work 35 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
     --json "$out/indexer-work.json"
 step mhc-bandwidth 45 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
-step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py --pairs 5 --number 200
+step model-vs-measured 10 "$py" benchmarks/model_vs_measured.py docs/model-h200.json "$out/bench.json" \
+    --json "$out/model-vs-measured.json"
+step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py --rounds 5 --number 200
 exit $status

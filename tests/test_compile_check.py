@@ -4,6 +4,11 @@ TileLang builds need nvcc and are skipped (reported, not passed) where it is abs
 builds use Triton's own ptxas and always run.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flashkern import compile_check, registry
@@ -19,7 +24,10 @@ def test_every_implementation_builds_for_sm90a_and_defaults_do_not_spill():
 
     One test, one set of builds: CI's two cores build about 40 kernels here, and test workers share no fixtures.
     """
-    defaults = compile_check.plan(OPS, "smoke", sample=0)
+    defaults = {}
+    for job in compile_check.plan(OPS, "smoke", sample=0):  # one shape per kernel specialization keeps CI's time
+        defaults.setdefault((job.op, job.impl, job.problem.specialization()), job)
+    defaults = list(defaults.values())
     sampled = {}
     for job in compile_check.plan(OPS, "smoke", sample=1):
         if not job.default:
@@ -52,3 +60,46 @@ def test_tilelang_builds_are_skipped_not_passed_without_nvcc(monkeypatch):
     op = registry.get("moe_route")
     result = compile_check.build(compile_check.BuildJob("moe_route", "tilelang", op.presets["smoke"][0], None))
     assert result.skipped and not result.ok and "nvcc" in result.error
+
+
+SPECIALIZATION_CHECK = """
+import json
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import native_specialize_impl
+from flashkern import registry
+from flashkern.kernels._triton import _signature, _stages
+
+mismatches, launches_seen = [], 0
+for name, op in sorted(registry.operators().items()):
+    impl = op.implementation("triton")
+    for problem in op.presets["smoke"]:
+        inputs = op.make_inputs(problem, "cpu", 0)
+        op.check(inputs)
+        config = impl.default_config(problem)
+        for launch in _stages(impl.kernel.plan(problem, inputs, config, op.empty_outputs(problem, inputs))):
+            launches_seen += 1
+            signature, constexprs, attrs = _signature(launch)
+            for index, param in enumerate(launch.kernel.params):
+                value = launch.args[param.name]
+                if param.is_constexpr or value is None:
+                    continue
+                kind, key = native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                                   not param.do_not_specialize_on_alignment)[:2]
+                ours = ("constexpr" if param.name in constexprs else signature[param.name], (index,) in attrs)
+                if ours != (kind, isinstance(key, str) and "D" in key):
+                    mismatches.append([name, launch.kernel.__name__, param.name, repr(value), ours, [kind, key]])
+print(json.dumps([launches_seen, mismatches]))
+"""
+
+
+def test_triton_builds_are_specialized_as_the_jit_specializes(tmp_path):
+    """The AOT signature of every Triton launch at the smoke shapes matches Triton's own run-time specialization of
+    the same arguments (integers equal to 1 as constants, divisibility by 16 of integers and pointers). Natively
+    (TRITON_INTERPRET=0) in a child process: interpreted kernels carry no parameter records."""
+    script = tmp_path / "specialization_check.py"
+    script.write_text(SPECIALIZATION_CHECK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches, mismatches = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert launches >= len(OPS) and not mismatches

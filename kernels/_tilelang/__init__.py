@@ -29,7 +29,7 @@ import tilelang.language as T
 import torch
 
 from flashkern.kernels._tilelang import codecs
-from flashkern.kernels.build import BuildReport, parse_ptxas
+from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble
 
 logging.getLogger("tilelang").setLevel(logging.WARNING)  # "begins/completes to compile" at INFO
 
@@ -177,7 +177,8 @@ def _include_dirs() -> list[str]:
 
 
 def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
-    """Lower for sm_90a and compile to a cubin with nvcc; report registers, spills and shared memory."""
+    """Lower for sm_90a, compile to PTX and assemble with nvcc; report registers, spills, shared memory and the
+    PTX census."""
     source, dyn_smem, threads = lower_sm90(prim_func, pass_configs)
     nvcc = nvcc_path()
     if nvcc is None:
@@ -186,15 +187,16 @@ def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
         src = os.path.join(tmp, "kernel.cu")
         with open(src, "w") as f:
             f.write(source)
-        cmd = [nvcc, "-std=c++17", "-gencode", f"arch=compute_90a,code={SM90_ARCH}", "-cubin",
-               "--resource-usage", "-w", "-o", os.path.join(tmp, "kernel.cubin"), src]
+        cmd = [nvcc, "-std=c++17", f"-arch={SM90_ARCH}", "-ptx", "-w", "-o", os.path.join(tmp, "kernel.ptx"), src]
         for inc in _include_dirs():
             cmd += ["-I", inc]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError("nvcc failed:\n" + (proc.stderr or proc.stdout)[-4000:])
-    report = parse_ptxas(proc.stdout + proc.stderr)
-    return report.with_(smem=report.smem + dyn_smem, threads=threads, wgmma="wgmma" in source)
+        if proc.returncode != 0:
+            raise RuntimeError("nvcc failed:\n" + (proc.stderr or proc.stdout)[-4000:])
+        with open(os.path.join(tmp, "kernel.ptx")) as f:
+            ptx = f.read()
+    report = assemble(ptx, [nvcc, "-cubin", f"-arch={SM90_ARCH}", "--resource-usage", "-w"])
+    return report.with_(smem=report.smem + dyn_smem, threads=threads)
 
 
 _BY_SOURCE: dict = {}  # (kernel source, on GPU, GPU pass configs) -> compiled kernel, for every TileLangKernel
@@ -242,20 +244,39 @@ class TileLangKernel:
             _BY_SOURCE[source] = (compile_cuda(func, self.gpu_pass_configs) if fl.on_gpu else compile_cpu(func))
         return _BY_SOURCE[source]
 
+    def _stage_arguments(self, problem, inputs, config, fl: Flavour, out, stages: int) -> tuple:
+        """Each stage's argument list (None: the stage does not run)."""
+        args = self.arguments(problem, inputs, config, fl, out)
+        return (None,) * stages if args is None else (args,) if stages == 1 else args
+
     def run(self, problem, inputs, config, out):
         fl = GPU if _first_tensor(out).is_cuda else CPU
-        args = self.arguments(problem, inputs, config, fl, out)
-        if args is None:
-            return out
         kernels = self.compiled(problem, config, fl)
-        for kernel, stage_args in zip(kernels, (args,) if len(kernels) == 1 else args):
+        for kernel, stage_args in zip(kernels, self._stage_arguments(problem, inputs, config, fl, out, len(kernels))):
             if stage_args is not None:
                 kernel(*stage_args)
         return out
 
+    @staticmethod
+    def build_key(problem):
+        """What an sm_90a build depends on: the problem without its sizes (dynamic in the kernels)."""
+        return problem.specialization()
+
+    def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
+        """Each stage's sm_90a build report."""
+        return tuple(build_sm90(func, self.gpu_pass_configs) for func in _stages(self.program(problem, config, GPU)))
+
     def build_sm90(self, problem, inputs, config, out) -> BuildReport:
+        return BuildReport.merge(self.build_stages_sm90(problem, inputs, config, out))
+
+    def traffic(self, problem, inputs, config, out) -> tuple[LaunchTraffic, ...]:
+        """Each stage's global-memory traffic as the GPU flavour's design requests it (kernels/_tilelang/traffic)."""
+        from flashkern.kernels._tilelang import traffic
+
         funcs = _stages(self.program(problem, config, GPU))
-        return BuildReport.merge(build_sm90(func, self.gpu_pass_configs) for func in funcs)
+        stage_args = self._stage_arguments(problem, inputs, config, GPU, out, len(funcs))
+        return tuple(NO_TRAFFIC if args is None else traffic.measure(func, list(args), self.gpu_pass_configs)
+                     for func, args in zip(funcs, stage_args))
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""

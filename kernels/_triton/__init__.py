@@ -15,9 +15,6 @@ Interpreter pitfalls handled here:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +23,7 @@ import triton
 import triton.language as tl
 
 import flashkern
-from flashkern.kernels.build import BuildReport, parse_ptxas
+from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble
 
 _POINTER_TYPES = {
     torch.float32: "*fp32",
@@ -58,20 +55,27 @@ class Launch:
 
 
 def _signature(launch: Launch):
-    """Triton signature, constexprs and alignment attributes derived from the launch's arguments."""
+    """Triton signature, constexprs and attributes for an AOT build, specialized as the JIT specializes them at run
+    time: an integer equal to 1 becomes the constant 1, integers divisible by 16 and 16-byte-aligned pointers get
+    `tt.divisibility = 16` (unless the kernel opts out with do_not_specialize / do_not_specialize_on_alignment)."""
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(launch.kernel.params):
         value = launch.args[param.name]
-        if param.is_constexpr or value is None:
+        specialize = not param.do_not_specialize
+        aligned = specialize and not param.do_not_specialize_on_alignment
+        if param.is_constexpr or value is None or (specialize and type(value) is int and value == 1):
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = _POINTER_TYPES[value.dtype]
-            attrs[(index,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+            if aligned and value.data_ptr() % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if aligned and value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[param.name] = "fp32"
         else:
@@ -102,21 +106,8 @@ def build_sm90(launch: Launch) -> BuildReport:
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": launch.num_warps, "num_stages": launch.num_stages, **launch.options},
     )
-    ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory(prefix="flashkern-triton-") as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run(
-            [_ptxas_path(), "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True, text=True,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError("ptxas failed:\n" + proc.stderr[-4000:])
-    report = parse_ptxas(proc.stdout + proc.stderr)
-    return report.with_(
-        smem=max(report.smem, compiled.metadata.shared), threads=32 * launch.num_warps, wgmma="wgmma" in ptx
-    )
+    report = assemble(compiled.asm["ptx"], [_ptxas_path(), "-v", "--gpu-name", "sm_90a"])
+    return report.with_(smem=max(report.smem, compiled.metadata.shared), threads=32 * launch.num_warps)
 
 
 def _stages(launches) -> tuple[Launch, ...]:
@@ -141,9 +132,27 @@ class TritonKernel:
                 launch()
         return out
 
+    @staticmethod
+    def build_key(problem):
+        """What an sm_90a build depends on: the whole problem (the JIT specializes on integer values: 1, and
+        divisibility by 16)."""
+        return problem
+
+    def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
+        """Each launch's sm_90a build report."""
+        return tuple(build_sm90(launch) for launch in _stages(self.plan(problem, inputs, config, out)))
+
     def build_sm90(self, problem, inputs, config, out) -> BuildReport:
-        launches = self.plan(problem, inputs, config, out)
-        return BuildReport.merge(build_sm90(launch) for launch in _stages(launches))
+        return BuildReport.merge(self.build_stages_sm90(problem, inputs, config, out))
+
+    def traffic(self, problem, inputs, config, out) -> tuple[LaunchTraffic, ...]:
+        """Each launch's global-memory traffic as its design requests it, planned as for a GPU and counted by the
+        interpreter (kernels/_triton/traffic); `out` is scratch."""
+        from flashkern.kernels._triton import traffic
+
+        with flashkern.planning_for_gpu():
+            launches = _stages(self.plan(problem, inputs, config, out))
+        return tuple(traffic.measure(launch) if all(n > 0 for n in launch.grid) else NO_TRAFFIC for launch in launches)
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""

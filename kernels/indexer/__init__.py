@@ -492,7 +492,7 @@ def logits_cost(p: LogitsProblem) -> Cost:
     """Every pair scored (the causal inputs score about half; benchmarks count valid pairs)."""
     return Cost(flops=2 * p.rows * p.keys * p.indexer.heads * p.indexer.dim,
                 bytes=p.rows * _query_bytes(p.indexer) + p.keys * _key_bytes(p.indexer)
-                + p.rows * (_logit_bytes(p) * p.keys + 8))
+                + p.rows * (_logit_bytes(p) * p.keys + 8), math="fp8")
 
 
 def paged_cost(p: PagedProblem) -> Cost:
@@ -501,7 +501,7 @@ def paged_cost(p: PagedProblem) -> Cost:
     lens = queries if p.lens_2d else p.batch
     return Cost(flops=2 * queries * p.width * p.indexer.heads * p.indexer.dim,
                 bytes=queries * _query_bytes(p.indexer) + p.batch * p.width * _key_bytes(p.indexer)
-                + _logit_bytes(p) * queries * p.width + 4 * (p.batch * p.max_blocks + lens))
+                + _logit_bytes(p) * queries * p.width + 4 * (p.batch * p.max_blocks + lens), math="fp8")
 
 
 def topk_cost(p: TopkProblem) -> Cost:
@@ -516,7 +516,7 @@ def candidates_cost(p: CandidateProblem) -> Cost:
 def sparse_cost(p: SparseProblem) -> Cost:
     return Cost(flops=2 * p.rows * p.candidates * p.indexer.heads * p.indexer.dim + 5 * p.rows * p.candidates,
                 bytes=p.rows * (_query_bytes(p.indexer) + p.candidates * _key_bytes(p.indexer)
-                                + 4 * (p.n_blocks + p.top_k + 2)))
+                                + 4 * (p.n_blocks + p.top_k + 2)), math="fp8")
 
 
 # ---------------------------------------------------------------- presets

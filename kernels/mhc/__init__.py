@@ -250,13 +250,13 @@ def pre_cost(p: MhcProblem) -> Cost:
     moved = streams * BF16 + p.mixes * p.width * FP32 + p.tokens * p.hidden * BF16 + _gate_bytes(p)
     moved += p.hidden * BF16 if p.has_norm else 0
     moved += p.tokens * p.streams * FP32 if p.collapse == "carried" else 0
-    return Cost(flops=streams * (2 * p.mixes + 4), bytes=moved)
+    return Cost(flops=streams * (2 * p.mixes + 4), bytes=moved, math="tf32")  # bf16 x fp32 fn: tf32 MMA
 
 
 def post_pre_cost(p: MhcProblem) -> Cost:
     """mhc_post + mhc_pre without the round trip of the new residual (written once, never read back)."""
     post, pre = post_cost(p), pre_cost(p)
-    return Cost(flops=post.flops + pre.flops, bytes=post.bytes + pre.bytes - p.tokens * p.width * BF16)
+    return Cost(flops=post.flops + pre.flops, bytes=post.bytes + pre.bytes - p.tokens * p.width * BF16, math=pre.math)
 
 
 # ---------------------------------------------------------------- presets
@@ -264,8 +264,13 @@ def post_pre_cost(p: MhcProblem) -> Cost:
 MODEL_TOKENS = (1, 16, 128, 1024, 8192)
 
 
+FLASH_HIDDEN = 5120  # V4.1-Flash's hidden size
+
+
 def _model(tokens=MODEL_TOKENS, **flags) -> dict:
-    return {f"d{d}": tuple(MhcProblem(t, d, **flags) for t in tokens) for d in MODEL_HIDDEN}
+    """A preset per model width, and v41-flash: V4.1-Flash's width."""
+    widths = {f"d{d}": tuple(MhcProblem(t, d, **flags) for t in tokens) for d in MODEL_HIDDEN}
+    return {**widths, "v41-flash": widths[f"d{FLASH_HIDDEN}"]}
 
 
 SINKHORN_PRESETS = {"smoke": (SinkhornProblem(1), SinkhornProblem(37)),

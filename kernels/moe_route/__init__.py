@@ -238,7 +238,7 @@ def route_gate_cost(problem: RouteProblem) -> Cost:
     t, d, e = problem.tokens, problem.hidden, problem.routing.experts
     base = route_cost(problem)
     gemm_bytes = 2 * (t * d + e * d + (d if problem.has_norm else 0))
-    return Cost(flops=base.flops + 2 * t * d * e, bytes=base.bytes - t * e * 4 + gemm_bytes)
+    return Cost(flops=base.flops + 2 * t * d * e, bytes=base.bytes - t * e * 4 + gemm_bytes, math="bf16")
 
 
 # ---------------------------------------------------------------- presets

@@ -1,0 +1,512 @@
+"""Global-memory traffic a TileLang GPU kernel requests, counted from its lowered program without running it.
+
+`measure(prim_func, args, pass_configs)` lowers a GPU-flavour program for sm_90a through TileLang's CUDA pipeline
+up to the end of tile-operator lowering (`CUDAPassPipelineBodyPrologue`). By then T.copy, T.gemm, T.reduce,
+T.Parallel and T.Pipelined are loops of BufferLoad / BufferStore (and cp.async intrinsics), and the grid and the
+threads are `launch_thread` bindings. TMA lowering and warp specialization are switched off for the count so
+that copies stay element loops: a TMA box moves the same in-bounds elements. Every size is bound from the
+arguments: a parameter buffer's symbolic shape and strides from its tensor's, a scalar parameter from its value.
+Lowering takes seconds and is cached by program text and pass configs: the sizes are dynamic, so one lowering
+serves every problem size of a kernel; the walk itself takes a fraction of a second.
+
+What counts, each time it executes:
+- a load from / a store to a parameter buffer (global memory): its element size times its lanes;
+- a pointer to a parameter buffer handed to an intrinsic (`tvm_access_ptr`: cp.async sources, atomics): its
+  extent in elements, read and/or written as its access mask says (an atomic both).
+An access executes once per point of the box of its enclosing thread bindings (blockIdx, threadIdx) and loops
+(vectorized lanes included) that satisfies its guards: the enclosing if-conditions, the condition of an
+if_then_else / Select it sits in (the branch not taken moves nothing), a cp.async's predicate, and the bounds of
+a loop whose extent depends on outer variables. Guards are counted exactly: those TVM's analyzer proves or
+disproves are settled, the rest are evaluated over the grid of the variables they involve (independent groups
+of guards separately). Variables bound once (let bindings, `T.alloc_var` locals assigned once) are substituted.
+
+Where the count is an upper bound (exact=False):
+- a guard that depends on data (reads a buffer, or a local assigned more than once: an early exit, a gather's
+  validity test) is taken as true; so is a group of guards whose variables span more than MAX_ENUMERATED points;
+- a loop whose extent depends on data (`for t in range(tiles[0])`, tiles computed from a tensor read) runs the
+  largest extent the analyzer can bound it by from the sizes (min(Ends[b], W) -> W); a loop it cannot bound
+  (only the data type limits it) raises ValueError naming the loop, and so does a while loop.
+Counts are per element a CTA requests, as in Triton's count (kernels/_triton/traffic): a thread binding that
+neither the address nor a guard involves does not multiply it, so a value every thread of a CTA loads (a scalar
+read outside T.Parallel, a broadcast element) counts once per CTA; no rounding to sectors, no coalescing, no L2
+(the model's business). Copies of one load within a statement under the same guards count once, as the compiled
+code loads once (a T.macro expanding its argument twice). A parameter's data pointer used any other way (a TMA
+descriptor, address_of) raises NotImplementedError rather than go uncounted. Every CTA is counted: sampled = ctas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import arith, tirx
+from tvm.tirx import expr as E
+from tvm.tirx import stmt as S
+
+from flashkern.kernels._tilelang import _sm90_target
+from flashkern.kernels.build import LaunchTraffic
+
+# Copies stay element loops (TMA off: its boxes move the same elements; warp specialization would reintroduce TMA).
+ANALYSIS_PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
+MAX_ENUMERATED = 1 << 24  # most grid points one group of guards is evaluated over; beyond, it is taken as true
+_CHUNK = 1 << 20  # grid points evaluated at once
+_UNBOUNDED = 1 << 30  # a bound this wide comes from a data type, not from the sizes: the value is unbounded
+_LOWERED: dict = {}  # (program text, pass configs) -> lowered program; sizes are dynamic, so one serves every call
+
+
+def lower_for_traffic(prim_func, pass_configs: dict | None = None) -> tirx.PrimFunc:
+    """The program after tile-operator lowering for sm_90a, with TMA and warp specialization off."""
+    from tilelang.cuda.pipeline import CUDAPassPipelineBodyPrologue
+
+    config = {**(pass_configs or {}), **ANALYSIS_PASS_CONFIGS}
+    key = (prim_func.script(), tuple(sorted(config.items())))
+    if key not in _LOWERED:
+        target = _sm90_target()
+        with tvm.transform.PassContext(opt_level=3, config=config), target:
+            _LOWERED[key] = CUDAPassPipelineBodyPrologue(tvm.IRModule({"main": prim_func}), target)["main"]
+    return _LOWERED[key]
+
+
+def measure(prim_func, args: list, pass_configs: dict | None = None) -> LaunchTraffic:
+    """Global-memory traffic of launching the GPU-flavour `prim_func` on `args` (tensors and scalars, in parameter
+    order, as the kernel would be called; nothing is launched, so CPU tensors do)."""
+    func = lower_for_traffic(prim_func, pass_configs)
+    body = tirx.stmt_functor.substitute(func.body, _size_bindings(func, args))
+    counter = _Counter([func.buffer_map[p] for p in func.params if p in func.buffer_map], _assigned_once(body))
+    counter.stmt(body)
+    return LaunchTraffic(ctas=counter.ctas, bytes_read=counter.bytes_read, bytes_written=counter.bytes_written,
+                         sampled=counter.ctas, exact=counter.exact)
+
+
+def _size_bindings(func: tirx.PrimFunc, args: list) -> dict:
+    """Each symbolic size, stride and scalar parameter of `func` -> its value in this call."""
+    if len(args) != len(func.params):
+        raise ValueError(f"{len(args)} arguments for a kernel of {len(func.params)} parameters")
+    values: dict = {}
+
+    def bind(symbol, value: int, what: str):
+        if isinstance(symbol, tirx.Var):
+            if symbol in values and values[symbol].value != value:
+                raise ValueError(f"{what}: {symbol.name} is {values[symbol].value} elsewhere, {value} here")
+            values[symbol] = tirx.const(value, symbol.dtype)
+        elif isinstance(symbol, tirx.IntImm) and symbol.value != value:
+            raise ValueError(f"{what} is {value}, the kernel expects {symbol.value}")
+
+    for param, arg in zip(func.params, args):
+        buffer = func.buffer_map.get(param)
+        if buffer is None:
+            values[param] = tirx.const(arg, param.dtype)
+            continue
+        if len(arg.shape) != len(buffer.shape):
+            raise ValueError(f"{buffer.name} has {len(buffer.shape)} dimensions, its argument {len(arg.shape)}")
+        for d, (symbol, size) in enumerate(zip(buffer.shape, arg.shape)):
+            bind(symbol, int(size), f"dimension {d} of {buffer.name}")
+        for d, (symbol, stride) in enumerate(zip(buffer.strides, arg.stride())):
+            if isinstance(symbol, tirx.Var):  # a constant stride is not checked: size-1 dimensions take any
+                bind(symbol, int(stride), f"stride {d} of {buffer.name}")
+    return values
+
+
+def _assigned_once(body) -> set:
+    """Data pointers of the `T.alloc_var` locals the program stores to exactly once."""
+    stores: dict = {}
+
+    def visit(node):
+        if isinstance(node, S.BufferStore) and node.buffer.scope() == "local.var":
+            stores[node.buffer.data] = stores.get(node.buffer.data, 0) + 1
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    return {data for data, count in stores.items() if count == 1}
+
+
+def _bytes(dtype) -> float:
+    return dtype.bits * dtype.lanes / 8
+
+
+def _op_name(call: E.Call) -> str:
+    return call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
+
+
+@dataclass(frozen=True)
+class _Dim:
+    """A thread binding or loop variable ranging over [lo, lo + size)."""
+
+    var: tirx.Var
+    lo: int
+    size: int
+
+
+@dataclass(frozen=True, eq=False)
+class _Guard:
+    """One conjunct an access needs, over `variables` (Dims); variables is None when the conjunct cannot be
+    evaluated (it reads data, or a variable out of scope) and is taken as true."""
+
+    condition: tirx.PrimExpr
+    variables: tuple | None = ()
+
+    @property
+    def unknown(self) -> bool:
+        return self.variables is None
+
+
+_NEVER = _Guard(tirx.const(False, "bool"))  # a guard the analyzer disproves: the access never executes
+
+
+class _Counter:
+    """Walks a lowered program in execution order, adding up the bytes of its global accesses."""
+
+    def __init__(self, buffers: list, assigned_once: set):
+        self.globals = {buffer.data: buffer for buffer in buffers}
+        self.assigned_once = assigned_once
+        self.analyzer = arith.Analyzer()
+        self.dims: dict = {}  # Var -> _Dim, the variables in scope
+        self.threads: set = set()  # the threadIdx variables
+        self.guards: list[_Guard] = []
+        self.loaded: set = set()  # the global loads the current statement has counted, with their guards
+        self.bound: dict = {}  # let-bound Var -> its value
+        self.held: dict = {}  # an assign-once local's data pointer -> the value stored to it
+        self.counts: dict = {}  # a group of guards -> (the group, points satisfying it): kept alive, keyed by id
+        self.ctas = 1
+        self.bytes_read = 0.0
+        self.bytes_written = 0.0
+        self.exact = True
+
+    # ------------------------------------------------------------------ statements
+
+    def stmt(self, node):
+        self.loaded = set()
+        if isinstance(node, S.SeqStmt):
+            for child in node.seq:
+                self.stmt(child)
+        elif isinstance(node, S.AttrStmt):
+            if node.attr_key == "thread_extent":
+                self.thread(node)
+            else:
+                self.stmt(node.body)
+        elif isinstance(node, S.For):
+            self.loop(node)
+        elif isinstance(node, S.While):
+            raise ValueError(f"a while loop (condition {node.condition}) has no bound: its traffic cannot be counted")
+        elif isinstance(node, S.IfThenElse):
+            self.expr(node.condition)
+            with self.guarded(node.condition):
+                self.stmt(node.then_case)
+            if node.else_case is not None:
+                with self.guarded(tirx.Not(node.condition)):
+                    self.stmt(node.else_case)
+        elif isinstance(node, S.Bind):
+            self.expr(node.value)
+            self.bound[node.var] = self.resolve(node.value)
+        elif isinstance(node, S.BufferStore):
+            self.store(node)
+        elif isinstance(node, S.Evaluate):
+            self.expr(node.value)
+        elif isinstance(node, S.SBlockRealize):
+            with self.guarded(node.predicate):
+                self.stmt(node.block)
+        elif isinstance(node, S.SBlock):
+            if node.init is not None:
+                self.stmt(node.init)
+            self.stmt(node.body)
+        elif isinstance(node, S.AssertStmt):
+            self.expr(node.condition)
+        elif not isinstance(node, (S.AllocBuffer, S.DeclBuffer)):
+            raise NotImplementedError(f"{type(node).__name__} statement in a lowered TileLang program")
+
+    def thread(self, node: S.AttrStmt):
+        tag = node.node.thread_tag
+        extent = self.constant(node.value, f"the extent of {tag}")
+        if tag.startswith("blockIdx."):
+            self.ctas *= extent
+        elif tag.startswith("threadIdx."):
+            self.threads.add(node.node.var)
+        with self.dimension(node.node.var, 0, extent):
+            self.stmt(node.body)
+
+    def loop(self, node: S.For):
+        self.expr(node.min)
+        self.expr(node.extent)
+        var, start, extent = node.loop_var, self.resolve(node.min), self.resolve(node.extent)
+        lo = self.limit(start, var, least=True)
+        hi = self.limit(start + extent - 1, var, least=False)
+        if hi < lo:
+            return
+        conditions = [start <= var, var < start + extent]
+        if node.step is not None and not (isinstance(node.step, tirx.IntImm) and node.step.value == 1):
+            conditions.append(tirx.floormod(var - start, self.resolve(node.step)) == 0)
+        with self.dimension(var, lo, hi - lo + 1), self.guarded(*conditions):
+            self.stmt(node.body)
+
+    def store(self, node: S.BufferStore):
+        if node.buffer.data in self.globals:
+            self.bytes_written += self.executions(node.indices) * _bytes(node.value.dtype)
+        elif node.buffer.data in self.assigned_once:
+            self.held[node.buffer.data] = self.resolve(node.value)
+        self.expr(node.value)
+        for index in node.indices:
+            self.expr(index)
+
+    # ------------------------------------------------------------------ expressions
+
+    def expr(self, node):
+        """Count the global accesses evaluating `node` makes."""
+        if isinstance(node, E.BufferLoad):
+            if node.buffer.data in self.globals and self.first_load(node):
+                self.bytes_read += self.executions(node.indices) * _bytes(node.dtype)
+            for index in node.indices:
+                self.expr(index)
+        elif isinstance(node, E.Call):
+            self.call(node)
+        elif isinstance(node, E.Select):
+            self.branches(node.condition, node.true_value, node.false_value)
+        elif isinstance(node, E.Let):
+            self.expr(node.value)
+            self.bound[node.var] = self.resolve(node.value)
+            self.expr(node.body)
+        elif isinstance(node, E.Var):
+            if node in self.globals:
+                raise NotImplementedError(f"{self.globals[node].name}'s data pointer is used raw (e.g. a TMA "
+                                          "descriptor): not counted")
+        else:
+            for operand in _operands(node):
+                self.expr(operand)
+
+    def first_load(self, load: E.BufferLoad) -> bool:
+        """Whether this statement has not loaded the same element under the same (evaluable) guards yet: copies
+        of one load in an expression (a T.macro expanding its argument several times) are one request."""
+        key = (tvm.ir.structural_hash(load),
+               tuple(tvm.ir.structural_hash(g.condition) for g in self.guards if not g.unknown))
+        if key in self.loaded:
+            return False
+        self.loaded.add(key)
+        return True
+
+    def call(self, node: E.Call):
+        op = _op_name(node)
+        if op == "tirx.if_then_else":
+            self.branches(*node.args)
+        elif op == "tirx.tvm_access_ptr":
+            self.pointer(node)
+        elif op == "tl.ptx_cp_async" and len(node.args) == 4:  # (dst, src, elements, predicate): zero-fill if false
+            self.expr(node.args[3])
+            with self.guarded(node.args[3]):
+                for arg in node.args[:3]:
+                    self.expr(arg)
+        elif op == "tirx.address_of":
+            load = node.args[0]
+            if load.buffer.data in self.globals:
+                raise NotImplementedError(f"the address of an element of {load.buffer.name} is taken: not counted")
+            for index in load.indices:
+                self.expr(index)
+        else:
+            for arg in node.args:
+                self.expr(arg)
+
+    def branches(self, condition, taken, otherwise):
+        self.expr(condition)
+        with self.guarded(condition):
+            self.expr(taken)
+        with self.guarded(tirx.Not(condition)):
+            self.expr(otherwise)
+
+    def pointer(self, node: E.Call):
+        """tvm_access_ptr(type, data, offset, extent, access mask: 1 read, 2 write)."""
+        annotation, data, offset, extent, mask = node.args
+        for arg in (offset, extent):
+            self.expr(arg)
+        if data not in self.globals:
+            return
+        moved = self.executions([offset]) * self.constant(extent, f"a pointer extent into {self.globals[data].name}") \
+            * _bytes(annotation.dtype)
+        if mask.value & 1:
+            self.bytes_read += moved
+        if mask.value & 2:
+            self.bytes_written += moved
+
+    # ------------------------------------------------------------------ scopes and evaluation
+
+    @contextlib.contextmanager
+    def dimension(self, var, lo: int, size: int):
+        self.dims[var] = _Dim(var, lo, size)
+        self.analyzer.bind(var, tvm.ir.Range.from_min_extent(lo, max(size, 1)), allow_override=True)
+        try:
+            yield
+        finally:
+            del self.dims[var]
+
+    @contextlib.contextmanager
+    def guarded(self, *conditions):
+        """Accesses inside need every condition: each conjunct is settled by the analyzer when it can be."""
+        depth = len(self.guards)
+        for condition in conditions:
+            for conjunct in _conjuncts(self.resolve(condition)):
+                self.guards += [] if self.analyzer.can_prove(conjunct) else [self.guard(conjunct)]
+        try:
+            yield
+        finally:
+            del self.guards[depth:]
+
+    def guard(self, conjunct) -> _Guard:
+        variables = _evaluable_variables(conjunct)
+        if variables is None or any(v not in self.dims for v in variables):
+            return _Guard(conjunct, None)
+        if self.analyzer.can_prove(tirx.Not(conjunct)):
+            return _NEVER
+        return _Guard(conjunct, tuple(self.dims[v] for v in variables))
+
+    def resolve(self, expr):
+        """`expr` with let-bound variables and assign-once locals replaced by what they hold."""
+
+        def replace(node):
+            return self.held.get(node.buffer.data) if isinstance(node, E.BufferLoad) else self.bound.get(node)
+
+        return tirx.stmt_functor.ir_transform(tirx.Evaluate(expr), None, replace,
+                                              ["tirx.BufferLoad", "tirx.Var"]).value
+
+    def constant(self, expr, what: str) -> int:
+        value = self.analyzer.simplify(self.resolve(expr))
+        if not isinstance(value, tirx.IntImm):
+            raise ValueError(f"{what} is not a constant once the sizes are bound: {value}")
+        return value.value
+
+    def limit(self, expr, loop, least: bool) -> int:
+        """The least (or greatest) value `expr` takes in scope; from the sizes alone where it depends on data."""
+        bound = self.analyzer.const_int_bound(self.analyzer.simplify(expr))
+        value = bound.min_value if least else bound.max_value
+        if abs(value) >= _UNBOUNDED:
+            raise ValueError(f"loop {loop.name}: its range ({expr}) depends on data and the sizes do not bound it")
+        return value
+
+    def executions(self, address) -> int:
+        """Points of the current box that satisfy the current guards, for an access at `address` (its index
+        expressions): groups of guards sharing variables are counted together, the variables no guard mentions
+        contribute their sizes, except thread bindings the address does not involve (the CTA's threads request
+        one element)."""
+        if any(guard is _NEVER for guard in self.guards):
+            return 0
+        groups: list[tuple[set, list]] = []  # (variables, guards)
+        for guard in self.guards:
+            if guard.unknown:
+                self.exact = False
+                continue
+            variables = {dim.var for dim in guard.variables}
+            touching = [g for g in groups if g[0] & variables]
+            groups = [g for g in groups if all(g is not t for t in touching)]
+            groups.append((variables.union(*(g[0] for g in touching)), [h for g in touching for h in g[1]] + [guard]))
+        constrained = set().union(*(g[0] for g in groups))
+        addressed = set()
+        for index in address:
+            tirx.stmt_functor.post_order_visit(self.resolve(index),
+                                               lambda node: addressed.add(node) if isinstance(node, E.Var) else None)
+        free = math.prod(dim.size for var, dim in self.dims.items()
+                         if var not in constrained and (var not in self.threads or var in addressed))
+        return free * math.prod(self.satisfying(guards) for _, guards in groups)
+
+    def satisfying(self, group: list[_Guard]) -> int:
+        key = tuple(id(guard) for guard in group)
+        if key not in self.counts:
+            self.counts[key] = (group, self.count_points(group))
+        return self.counts[key][1]
+
+    def count_points(self, group: list[_Guard]) -> int:
+        dims = list({dim.var: dim for guard in group for dim in guard.variables}.values())
+        points = math.prod(dim.size for dim in dims)
+        if points > MAX_ENUMERATED:
+            self.exact = False
+            return points
+        satisfied = 0
+        for start in range(0, points, _CHUNK):
+            flat = np.arange(start, min(start + _CHUNK, points), dtype=np.int64)
+            coords = np.unravel_index(flat, [dim.size for dim in dims])
+            grid = {dim.var: coord + dim.lo for dim, coord in zip(dims, coords)}
+            held = np.ones(len(flat), dtype=bool)
+            for guard in group:
+                held &= np.broadcast_to(_evaluate(guard.condition, grid), held.shape).astype(bool)
+            satisfied += int(np.count_nonzero(held))
+        return satisfied
+
+
+def _conjuncts(condition) -> list:
+    if isinstance(condition, E.And) or (isinstance(condition, E.Call) and _op_name(condition) == "tirx.bitwise_and"
+                                        and condition.dtype == "bool"):
+        a, b = (condition.a, condition.b) if isinstance(condition, E.And) else condition.args
+        return _conjuncts(a) + _conjuncts(b)
+    return [condition]
+
+
+def _evaluable_variables(expr) -> list | None:
+    """The variables `expr` reads, in first-use order; None when `_evaluate` cannot evaluate it (it reads a
+    buffer, or calls something other than integer arithmetic)."""
+    found: dict = {}
+    evaluable = True
+
+    def visit(node):
+        nonlocal evaluable
+        if isinstance(node, E.Var):
+            found[node] = None
+        elif isinstance(node, E.Call):
+            evaluable &= _op_name(node) in _NUMPY_CALLS
+        elif not isinstance(node, (E.IntImm, E.FloatImm, E.Not, E.Select, E.Cast, *_NUMPY_BINARY)):
+            evaluable = False
+
+    tirx.stmt_functor.post_order_visit(expr, visit)
+    return list(found) if evaluable else None
+
+
+def _operands(node) -> tuple:
+    if isinstance(node, (E.IntImm, E.FloatImm, E.StringImm)):
+        return ()
+    if isinstance(node, E.Not):
+        return (node.a,)
+    if isinstance(node, (E.BinaryOpExpr, E.CmpExpr, E.LogicalExpr)):
+        return (node.a, node.b)
+    if isinstance(node, (E.Cast, E.Broadcast)):
+        return (node.value,)
+    if isinstance(node, E.Ramp):
+        return (node.base, node.stride)
+    if isinstance(node, E.Shuffle):
+        return (*node.vectors, *node.indices)
+    raise NotImplementedError(f"{type(node).__name__} expression in a lowered TileLang program")
+
+
+def _truncdiv(a, b):
+    return np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
+
+
+_NUMPY_BINARY = {
+    E.Add: np.add, E.Sub: np.subtract, E.Mul: np.multiply, E.FloorDiv: np.floor_divide, E.FloorMod: np.mod,
+    E.Div: _truncdiv, E.Mod: lambda a, b: a - b * _truncdiv(a, b), E.Min: np.minimum, E.Max: np.maximum,
+    E.LT: np.less, E.LE: np.less_equal, E.GT: np.greater, E.GE: np.greater_equal, E.EQ: np.equal,
+    E.NE: np.not_equal, E.And: np.logical_and, E.Or: np.logical_or,
+}
+_NUMPY_CALLS = {
+    "tirx.bitwise_and": np.bitwise_and, "tirx.bitwise_or": np.bitwise_or, "tirx.bitwise_xor": np.bitwise_xor,
+    "tirx.bitwise_not": np.invert, "tirx.shift_left": np.left_shift, "tirx.shift_right": np.right_shift,
+    "tirx.if_then_else": np.where,
+}
+
+
+def _evaluate(node, grid: dict):
+    """An integer / boolean expression over grid variables (numpy arrays), evaluated elementwise."""
+    if isinstance(node, (E.IntImm, E.FloatImm)):
+        return node.value
+    if isinstance(node, E.Var):
+        return grid[node]
+    if type(node) in _NUMPY_BINARY:
+        if isinstance(node, E.Div) and not str(node.dtype).startswith(("int", "uint")):
+            return np.true_divide(_evaluate(node.a, grid), _evaluate(node.b, grid))
+        return _NUMPY_BINARY[type(node)](_evaluate(node.a, grid), _evaluate(node.b, grid))
+    if isinstance(node, E.Not):
+        return np.logical_not(_evaluate(node.a, grid))
+    if isinstance(node, E.Select):
+        return np.where(*(_evaluate(x, grid) for x in (node.condition, node.true_value, node.false_value)))
+    if isinstance(node, E.Cast):
+        value = _evaluate(node.value, grid)
+        return np.asarray(value).astype(bool if node.dtype == "bool" else np.float64 if "float" in node.dtype
+                                        else np.int64)
+    if isinstance(node, E.Call) and _op_name(node) in _NUMPY_CALLS:
+        return _NUMPY_CALLS[_op_name(node)](*(_evaluate(arg, grid) for arg in node.args))
+    raise AssertionError(f"not evaluable: {node}")  # _evaluable_variables admits only the forms above

@@ -1,0 +1,172 @@
+"""The performance model (flashkern.model): occupancy by the CUDA rules, the PTX census, fill and waves, the
+traffic ratio of a kernel that reads its input twice, a config that loses wgmma, and every implementation of
+one operator modelled end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import flashkern  # noqa: F401  (before triton: kernels below run under the interpreter)
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from flashkern import model, registry
+from flashkern.autotune import identity
+from flashkern.cli import main
+from flashkern.kernels._triton import Launch
+from flashkern.kernels._triton import traffic as triton_traffic
+from flashkern.kernels.build import BuildReport, Census, LaunchTraffic
+from flashkern.registry import Cost
+
+H200 = model.DEVICES["h200"]
+
+
+@pytest.mark.parametrize("threads, registers, smem, ctas, limiter", [
+    (256, 32, 0, 8, "threads"),  # 8 warps: 64 / 8
+    (128, 255, 0, 2, "registers"),  # 255 -> 8192 per warp: 8 warps, 2 CTAs of 4
+    (128, 200, 0, 2, "registers"),  # 6400 per warp: 10 warps, placed by 4: 8 -> 2 CTAs
+    (1024, 64, 0, 1, "registers"),  # 2048 per warp: 32 warps, one CTA of 32 warps (threads would allow 2)
+    (1024, 32, 0, 2, "threads"),  # 1024 per warp: 64 warps either way
+    (128, 40, 100 * 1024, 2, "shared memory"),  # (102400 + 1024) -> 103424 B each: 233472 / 103424
+    (32, 16, 0, 32, "CTA slots"),  # one warp each: 64 by threads, capped at 32 CTAs
+])
+def test_occupancy_follows_the_cuda_rules(threads, registers, smem, ctas, limiter):
+    assert model.occupancy(threads, registers, smem, H200) == model.Occupancy(ctas, limiter)
+
+
+def test_fill_counts_idle_sms_and_tails():
+    assert model._fill(66, 4, H200) == (1, 0.5)  # half the SMs busy
+    assert model._fill(132 * 4, 4, H200) == (1, 1.0)
+    waves, fill = model._fill(132 * 4 + 1, 4, H200)  # one CTA in a second wave
+    assert waves == 2 and fill == pytest.approx((132 * 4 + 1) / (2 * 132 * 4))
+
+
+PTX = textwrap.dedent("""
+    @%p1 ld.global.nc.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+    ld.global.b16 %rs1, [%rd2];
+    cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r5], [%rd3, {%r6, %r7}], [%r8];
+    mbarrier.try_wait.parity.shared::cta.b64 %p2, [%r8], %r9;
+    wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%f1}, %rd4, %rd5, 1, 1, 1;
+    wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%f2}, %rd6, %rd7, 1, 1, 1;
+    st.global.v2.f32 [%rd8], {%f3, %f4};
+    atom.global.add.f32 %f5, [%rd9], %f6;
+    red.shared.add.u32 [%r10], 1;
+    bar.sync 0;
+""")
+
+
+def test_census_reads_ptx():
+    assert Census.of(PTX) == Census(wgmma=2, mma_sync=0, mma_input="fp8", cp_async=0, tma=1, global_loads=2,
+                                    widest_load=16, global_stores=1, global_atomics=1, shared_atomics=1, barriers=2)
+    assert Census.of("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};").mma_input == "bf16"
+    assert Census.of("add.f32 %f1, %f2, %f3;") == Census()
+
+
+@triton.jit
+def _read_twice(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+def test_a_kernel_that_reads_its_input_twice_moves_twice_the_input():
+    n = 1000
+    x, y = torch.ones(n), torch.empty(n)
+    traffic = triton_traffic.measure(Launch(_read_twice, (triton.cdiv(n, 128),), dict(x_ptr=x, y_ptr=y, n=n, BLOCK=128)))
+    report = BuildReport(registers=16, threads=128)
+    once = model.predict(Cost(flops=n, bytes=8 * n), [(report, traffic)], H200)  # x read once, y written once
+    assert traffic.bytes_read == 2 * 4 * n and traffic.bytes_written == 4 * n
+    assert once.traffic_ratio == pytest.approx(1.5)  # (2 reads + 1 write) / (1 + 1)
+    reads_only = model.predict(Cost(flops=n, bytes=4 * n), [(report, LaunchTraffic(8, 8 * n, 0, 8))], H200)
+    assert reads_only.traffic_ratio == pytest.approx(2.0)
+
+
+def test_time_and_roof():
+    """Memory-bound: bytes at 80% of HBM over the fill, plus a launch; the roof is one launch plus the bytes at peak."""
+    moved = 4.8e9  # 1 ms at peak
+    report = BuildReport(registers=32, threads=256)
+    full = model.predict(Cost(flops=0, bytes=moved), [(report, LaunchTraffic(132 * 8, moved, 0, 132 * 8))], H200)
+    assert full.seconds == pytest.approx(1e-3 / 0.8 + model.LAUNCH_SECONDS)
+    assert full.roofline_fraction == pytest.approx((1e-3 + model.LAUNCH_SECONDS) / full.seconds)
+    half = model.predict(Cost(flops=0, bytes=moved), [(report, LaunchTraffic(66, moved, 0, 66))], H200)
+    assert half.seconds == pytest.approx(2e-3 / 0.8 + model.LAUNCH_SECONDS)
+    tensor = BuildReport(registers=128, threads=128, census=Census(wgmma=1, mma_input="fp8"))
+    gemm = model.predict(Cost(flops=1979e12 * 1e-3, bytes=1, math="fp8"),
+                         [(report, LaunchTraffic(132, 1, 0, 132)), (tensor, LaunchTraffic(132, 1, 0, 132))], H200)
+    assert [s.flops for s in gemm.stages] == [0, 1979e12 * 1e-3]  # charged to the stage with tensor cores
+    assert gemm.stages[1].seconds == pytest.approx(1e-3 / 0.7 + model.LAUNCH_SECONDS, rel=1e-6)
+
+
+DOT_BUILD = textwrap.dedent("""
+    import json, triton, triton.language as tl, torch
+    import flashkern
+    from flashkern.kernels._triton import Launch, build_sm90
+
+    @triton.jit
+    def dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+        b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+        tl.store(c_ptr + m[:, None] * N + n[None, :], tl.dot(a, b))
+
+    found = {}
+    for rows in (64, 16):  # a warpgroup MMA needs 64 rows; 16 falls back to mma.sync
+        a, b = torch.empty(rows, 64, dtype=torch.bfloat16), torch.empty(64, 64, dtype=torch.bfloat16)
+        c = torch.empty(rows, 64)
+        census = build_sm90(Launch(dot, (1,), dict(a_ptr=a, b_ptr=b, c_ptr=c, M=rows, N=64, K=64), num_warps=4)).census
+        found[rows] = [census.wgmma, census.mma_sync, census.mma_input]
+    print(json.dumps(found))
+""")
+
+
+def test_a_config_that_loses_wgmma_shows_in_the_census(tmp_path):
+    """Built natively (TRITON_INTERPRET=0) in a child process, as compile-check builds."""
+    script = tmp_path / "dot_build.py"  # Triton reads a kernel's source from its file
+    script.write_text(DOT_BUILD)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["64"][0] > 0 and found["64"][2] == "bf16"
+    assert found["16"][0] == 0 and found["16"][1] > 0 and found["16"][2] == "bf16"
+
+
+def test_every_implementation_of_an_operator_is_modelled_from_the_command_line(tmp_path):
+    """flashkern model at a preset: a row per implementation and config (default and sampled) with a prediction;
+    the JSON keeps every stage and the kernel source's version, the Markdown table the default configs."""
+    op = registry.get("sinkhorn")
+    saved, table = tmp_path / "model.json", tmp_path / "model.md"
+    assert main(["model", "sinkhorn", "--preset", "smoke", "--sample", "1", "--jobs", "2", "--json", str(saved),
+                 "--markdown", str(table)]) == 0
+    records = json.loads(saved.read_text())
+    assert {(r["impl"], r["default"]) for r in records} >= {(impl.name, d) for impl in op.implementations
+                                                            for d in (True, False)}
+    for r in records:
+        assert r["traffic_ratio"] >= 1.0 - 1e-9, r  # no design moves less than the operator must
+        assert 0 < r["roofline_fraction"] <= 1.0
+        assert all(s["ctas"] > 0 and s["registers"] > 0 for s in r["stages"])
+    defaults = [r for r in records if r["default"]]
+    assert len(table.read_text().splitlines()) == 4 + len(defaults)
+    current = model.current_records(saved)
+    assert set(current) == {(r["op"], r["impl"], r["problem"]) for r in defaults}
+
+
+def test_saved_predictions_are_shown_only_while_the_kernel_is_the_one_modelled(tmp_path, monkeypatch, capsys):
+    op = registry.get("sinkhorn")
+    problem = op.presets["smoke"][0]
+    sources = identity.source_versions(op)
+    record = dict(op="sinkhorn", problem=problem.key, default=True, config={}, error="", model_seconds=4.25e-6,
+                  roof_seconds=3.0e-6, roofline_fraction=0.706)
+    saved = tmp_path / "model.json"
+    saved.write_text(json.dumps([dict(record, impl="triton", source=sources["triton"]),
+                                 dict(record, impl="tilelang", source="an older kernel")]))
+    assert set(model.current_records(saved)) == {("sinkhorn", "triton", problem.key)}
+    assert model.current_records(tmp_path / "absent.json") == {}
+    monkeypatch.setattr(model, "SAVED", saved)
+    assert main(["bench", "sinkhorn", "--budget", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "triton 4.2 (71%)" in out and "tilelang 4.2" not in out

@@ -1,0 +1,217 @@
+"""TileLang traffic counting (kernels/_tilelang/traffic.py) against hand-computed bytes of tiny kernels.
+
+Every kernel is lowered for sm_90a and walked, nothing is launched: CPU tensors stand in for the arguments and
+only their shapes (and scalar values) matter. Sizes are dynamic (T.dynamic) and bound from those shapes.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
+import pytest
+import tilelang.language as T
+import torch
+
+from flashkern import registry
+from flashkern.kernels._tilelang import GPU, traffic
+from flashkern.kernels._tilelang.traffic import lower_for_traffic, measure
+from flashkern.kernels.build import LaunchTraffic
+
+TILE = 128  # elements per CTA in the 1-D kernels, one per thread
+F32 = 4  # bytes
+
+
+def _traffic(ctas, read, written, exact=True) -> LaunchTraffic:
+    return LaunchTraffic(ctas=ctas, bytes_read=read, bytes_written=written, sampled=ctas, exact=exact)
+
+
+def _tiled_copy():
+    """B = A through shared memory, a tile per CTA."""
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def tiled_copy(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(T.ceildiv(N, TILE), threads=TILE) as bx:
+            tile = T.alloc_shared((TILE,), "float32")
+            T.copy(A[bx * TILE], tile)
+            T.copy(tile, B[bx * TILE])
+
+    return tiled_copy
+
+
+@pytest.mark.parametrize("n", [8 * TILE, 8 * TILE - 24], ids=["whole tiles", "tail"])
+def test_tiled_copy_moves_each_element_once(n):
+    """The last CTA of a tail masks its lanes past N off: they move nothing, and the count says so exactly."""
+    assert measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)]) == _traffic(8, n * F32, n * F32)
+
+
+def test_a_tail_too_large_to_enumerate_counts_whole_tiles(monkeypatch):
+    """Past MAX_ENUMERATED grid points the tail's guard is taken as true: whole tiles, an upper bound."""
+    monkeypatch.setattr(traffic, "MAX_ENUMERATED", TILE)  # the guard spans 8 CTAs x TILE threads
+    n = 8 * TILE - 24
+    assert measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)]) == _traffic(8, 8 * TILE * F32, 8 * TILE * F32,
+                                                                                 exact=False)
+
+
+def test_a_vectorized_block_copy_counts_every_lane():
+    """fp16 rows in 64 x 256 blocks: T.copy becomes 8-lane vectorized loops; 200 rows leave a partial block."""
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def block_copy(A: T.Tensor((M, 256), "float16"), B: T.Tensor((M, 256), "float16")):
+        with T.Kernel(T.ceildiv(M, 64), threads=128) as bx:
+            block = T.alloc_shared((64, 256), "float16")
+            T.copy(A[bx * 64, 0], block)
+            T.copy(block, B[bx * 64, 0])
+
+    rows = 200
+    args = [torch.zeros(rows, 256, dtype=torch.float16), torch.zeros(rows, 256, dtype=torch.float16)]
+    assert "T.vectorized" in lower_for_traffic(block_copy).script()
+    assert measure(block_copy, args) == _traffic(4, rows * 256 * 2, rows * 256 * 2)
+
+
+def test_reading_the_input_twice_counts_twice():
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def doubled(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(T.ceildiv(N, TILE), threads=TILE) as bx:
+            first = T.alloc_shared((TILE,), "float32")
+            second = T.alloc_shared((TILE,), "float32")
+            T.copy(A[bx * TILE], first)
+            T.copy(A[bx * TILE], second)
+            for i in T.Parallel(TILE):
+                B[bx * TILE + i] = first[i] + second[i]
+
+    n = 4 * TILE
+    assert measure(doubled, [torch.zeros(n), torch.zeros(n)]) == _traffic(4, 2 * n * F32, n * F32)
+
+
+def test_one_element_twice_in_one_expression_is_one_read():
+    """A[i] * A[i] is one load once compiled (what a T.macro expanding its argument twice produces)."""
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def squared(A: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(T.ceildiv(N, TILE), threads=TILE) as bx:
+            for i in T.Parallel(TILE):
+                B[bx * TILE + i] = A[bx * TILE + i] * A[bx * TILE + i]
+
+    n = 4 * TILE
+    assert measure(squared, [torch.zeros(n), torch.zeros(n)]) == _traffic(4, n * F32, n * F32)
+
+
+def test_every_cta_reads_the_shared_vector():
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def scale_rows(V: T.Tensor((TILE,), "float32"), A: T.Tensor((R, TILE), "float32"),
+                   B: T.Tensor((R, TILE), "float32")):
+        with T.Kernel(R, threads=TILE) as row:
+            v = T.alloc_shared((TILE,), "float32")
+            T.copy(V, v)
+            for i in T.Parallel(TILE):
+                B[row, i] = A[row, i] * v[i]
+
+    rows = 5
+    got = measure(scale_rows, [torch.zeros(TILE), torch.zeros(rows, TILE), torch.zeros(rows, TILE)])
+    assert got == _traffic(rows, rows * TILE * F32 + rows * TILE * F32, rows * TILE * F32)
+
+
+def test_a_pipelined_copy_counts_its_cp_async_sources():
+    """Row sums over K in 16 x 32 tiles through T.Pipelined: the loads become predicated cp.async copies."""
+    R, K = T.dynamic("R"), T.dynamic("K")
+
+    @T.prim_func
+    def row_sums(A: T.Tensor((R, K), "float32"), B: T.Tensor((R,), "float32")):
+        with T.Kernel(T.ceildiv(R, 16), threads=128) as by:
+            a = T.alloc_shared((16, 32), "float32")
+            acc = T.alloc_fragment((16, 32), "float32")
+            sums = T.alloc_fragment((16,), "float32")
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(K, 32), num_stages=2):
+                T.copy(A[by * 16, k * 32], a)
+                for i, j in T.Parallel(16, 32):
+                    acc[i, j] += a[i, j]
+            T.reduce_sum(acc, sums, dim=1)
+            T.copy(sums, B[by * 16])
+
+    rows, cols = 60, 250  # partial tiles both ways
+    assert "ptx_cp_async" in lower_for_traffic(row_sums).script()
+    got = measure(row_sums, [torch.zeros(rows, cols), torch.zeros(rows)])
+    assert got == _traffic(4, rows * cols * F32, rows * F32)
+
+
+def test_an_atomic_add_reads_and_writes():
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def total(A: T.Tensor((N,), "float32"), Out: T.Tensor((1,), "float32")):
+        with T.Kernel(T.ceildiv(N, TILE), threads=TILE) as bx:
+            for i in T.Parallel(TILE):
+                if bx * TILE + i < N:
+                    T.atomic_add(Out[0], A[bx * TILE + i])
+
+    n = 1000
+    assert measure(total, [torch.zeros(n), torch.zeros(1)]) == _traffic(8, 2 * n * F32, n * F32)
+
+
+def test_a_condition_on_data_is_taken_as_true():
+    """Rows flagged off copy nothing at run time; the count cannot know which: an upper bound. Every thread
+    reads its row's flag."""
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def flagged_copy(Flags: T.Tensor((R,), "int32"), A: T.Tensor((R, TILE), "float32"),
+                     B: T.Tensor((R, TILE), "float32")):
+        with T.Kernel(R, threads=TILE) as row:
+            for i in T.Parallel(TILE):
+                if Flags[row] != 0:
+                    B[row, i] = A[row, i]
+
+    rows = 5
+    flags = torch.zeros(rows, dtype=torch.int32)
+    got = measure(flagged_copy, [flags, torch.zeros(rows, TILE), torch.zeros(rows, TILE)])
+    flag_reads = rows * 4  # int32: the CTA's threads all read Flags[row], one element per CTA
+    assert got == _traffic(rows, flag_reads + rows * TILE * F32, rows * TILE * F32, exact=False)
+
+
+def _data_bounded_copy(bounded: bool):
+    """B[r, :count] = A[r, :count] for count = Count[0], capped at the row width 4 when `bounded`."""
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def prefix_copy(Count: T.Tensor((1,), "int32"), A: T.Tensor((R, 4), "float32"), B: T.Tensor((R, 4), "float32")):
+        with T.Kernel(T.ceildiv(R, TILE), threads=TILE) as bx:
+            for r in T.Parallel(TILE):
+                for t in T.serial(T.min(Count[0], 4) if bounded else Count[0]):
+                    B[bx * TILE + r, t] = A[bx * TILE + r, t]
+
+    return prefix_copy
+
+
+def test_a_loop_over_data_runs_the_bound_the_sizes_give():
+    rows = 300
+    args = [torch.zeros(1, dtype=torch.int32), torch.zeros(rows, 4), torch.zeros(rows, 4)]
+    count_reads = 3 * 4  # the threads of each of the 3 CTAs read Count[0] for the loop's range: once per CTA
+    assert measure(_data_bounded_copy(True), args) == _traffic(3, count_reads + rows * 4 * F32, rows * 4 * F32,
+                                                               exact=False)
+    with pytest.raises(ValueError, match="loop t: its range .* depends on data"):
+        measure(_data_bounded_copy(False), args)
+
+
+def test_sinkhorn_reads_and_writes_each_matrix_once():
+    """The real kernel: a thread per matrix, block_b matrices per CTA; its design moves the minimum."""
+    op = registry.get("sinkhorn")
+    impl = op.implementation("tilelang")
+    smoke = op.presets["smoke"][0]
+    for problem in (smoke, smoke.with_sizes((300,))):  # 300: a partial last CTA
+        inputs = op.make_inputs(problem, "cpu", 0)
+        problem = op.check(inputs)
+        out = op.empty_outputs(problem, inputs)
+        config = impl.default_config(problem)
+        args = impl.kernel.arguments(problem, inputs, config, GPU, out)
+        got = measure(impl.kernel.program(problem, config, GPU), args, impl.kernel.gpu_pass_configs)
+        input_bytes = inputs["x"].numel() * inputs["x"].element_size()
+        output_bytes = out.numel() * out.element_size()
+        assert got.bytes_read >= input_bytes and got.bytes_written >= output_bytes
+        blocks = -(-problem.matrices // config["block_b"])
+        assert got == _traffic(blocks, input_bytes, output_bytes)
+        assert got.bytes == op.cost(problem).bytes
