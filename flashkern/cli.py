@@ -3,6 +3,8 @@
   flashkern list                         operators, and which implementations run here (and why not)
   flashkern bench [OP ...] [--preset P]  time every backend at a preset's shapes (default: smoke)
   flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
+  flashkern check OP [--backend B]       property-based equivalence of one kernel (and --config) with the
+                                         reference; a failure shrunk to a runnable snippet
   flashkern model [OP ...] [--preset P]  predicted H200 time and roofline fraction per kernel (a model; bench
                                          and report show the saved one, docs/model-h200.json)
   flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
@@ -112,9 +114,9 @@ def cmd_bench(args) -> int:
     from flashkern import model
     from flashkern.bench import bench
 
-    names = _op_names(args.ops)
+    preset = args.preset
+    names = _with_preset(_op_names(args.ops), preset)
     records = model.current_records()
-    preset = _preset(names, args.preset)
     info = devices.info(args.device)
     backends = args.backends.split(",") if args.backends else None
     console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs (GB/s of the bytes "
@@ -162,8 +164,9 @@ def cmd_bench(args) -> int:
 def cmd_compile_check(args) -> int:
     from flashkern import compile_check
 
-    names = _op_names(args.ops)
-    jobs = compile_check.plan(names, _preset(names, args.preset), args.sample, args.seed)
+    names = _with_preset(_op_names(args.ops), args.preset)
+    jobs = [job for job in compile_check.plan(names, args.preset, args.sample, args.seed)
+            if args.impl is None or job.impl == args.impl]
     with Progress(TextColumn("sm_90a builds"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as progress:
         task = progress.add_task("build", total=len(jobs))
@@ -194,9 +197,45 @@ def cmd_compile_check(args) -> int:
     return 0 if all(r.ok or r.skipped for r in results) else 1
 
 
+def cmd_check(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from flashkern import check
+
+    op = registry.get(_op_names([args.op])[0])
+    if op.cases is None:
+        raise SystemExit(f"{op.name} has no input strategies (Operator.cases) to check with")
+    backends = [args.backend] if args.backend else [impl.name for impl in op.implementations]
+    if args.config is not None and len(backends) != 1:
+        raise SystemExit("--config needs --backend (a config belongs to one implementation)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    failed = False
+    for backend in backends:
+        with Progress(TextColumn(f"{op.name} {backend}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("check", total=args.examples)
+            failure = check.run(op, backend, args.config, args.examples, args.seed, device,
+                                on_example=lambda: progress.advance(task))
+        if failure is None:
+            console.print(f"{op.name} {backend}{' ' + json.dumps(args.config) if args.config else ''}: "
+                          f"{args.examples} examples (seed {args.seed}) match the reference")
+            continue
+        failed = True
+        console.print(f"[red]{op.name} {backend}: {type(failure.error).__name__}[/red]: "
+                      f"{escape(str(failure.error)[:2000])}")
+        console.print("shrunk case, reproduce with:\n")
+        print(check.snippet(op, backend, args.config, failure.inputs, Path(args.save_dir)))
+    return 1 if failed else 0
+
+
 def _with_preset(op_names: list[str], preset: str) -> list[str]:
     """The operators that have `preset`; the others are named as skipped."""
     having = [name for name in op_names if preset in registry.get(name).presets]
+    if not having:
+        known = sorted({p for name in op_names for p in registry.get(name).presets})
+        raise SystemExit(f"no operator here has preset {preset!r}; presets: {', '.join(known)}")
     skipped = sorted(set(op_names) - set(having))
     if skipped:
         console.print(f"no preset {preset!r}, skipped: {', '.join(skipped)}")
@@ -453,8 +492,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=2, help="sampled configs per implementation besides the default")
     p.add_argument("--seed", type=int, default=0, help="seed of the config sample")
     p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--impl", choices=("triton", "tilelang"), default=None, help="build one DSL's kernels only")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=cmd_compile_check)
+
+    p = sub.add_parser("check", help="property-based equivalence of one kernel with the reference")
+    p.add_argument("op", help="operator")
+    p.add_argument("--backend", choices=("reference", "triton", "tilelang"), default=None,
+                   help="implementation to check (default: each)")
+    p.add_argument("--config", type=json.loads, default=None, help='a config of its tuning space, as JSON '
+                   '(e.g. \'{"block_t": 4, "num_warps": 4}\'); cases it does not apply to are skipped')
+    p.add_argument("--examples", type=int, default=50, help="cases to draw (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default: 0)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--save-dir", default=".", help="where a failing case too large to inline is saved (default: .)")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("model", help="predicted time and roofline fraction per kernel on a GPU (a model)")
     p.add_argument("ops", nargs="*", help="operators (default: all that have the preset)")

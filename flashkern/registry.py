@@ -120,6 +120,8 @@ class Operator:
     cost: Callable[[Any], Cost]
     presets: dict[str, tuple]  # name -> problems
     check_values: Callable[[dict, Any], None] | None = None  # (inputs, problem): index ranges, in checked mode
+    cases: Callable[[], Any] | None = None  # () -> hypothesis strategy of input dicts (CPU tensors): the property
+    # tests' draws (odd sizes, tails, extreme values, padding, NaN/Inf), also behind `flashkern check`
     prepare: Callable[[dict], None] | None = None  # zero-copy kernel views of accepted forms, from metadata only
     # (check applies it too; a cached plan records whether it changes anything for its call signature)
 

@@ -39,8 +39,15 @@ def test_bench_prints_a_table_per_operator_and_checks_outputs(tmp_path):
 def test_bench_and_compile_check_refuse_unknown_names():
     with pytest.raises(SystemExit, match="unknown operator 'nope'"):
         main(["bench", "nope"])
-    with pytest.raises(SystemExit, match="has no preset 'huge'"):
+    with pytest.raises(SystemExit, match="no operator here has preset 'huge'; presets: smoke, v3, v41-flash"):
         main(["compile-check", "moe_route", "--preset", "huge"])
+
+
+def test_a_preset_runs_the_operators_that_have_it_and_names_the_others(capsys):
+    from flashkern.cli import _with_preset
+
+    assert _with_preset(["moe_route", "sinkhorn", "topk_indices"], "v3") == ["moe_route"]
+    assert "no preset 'v3', skipped: sinkhorn, topk_indices" in capsys.readouterr().out
 
 
 def test_compile_check_command_exits_zero_and_writes_json(tmp_path):

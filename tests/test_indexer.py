@@ -1,8 +1,9 @@
 """The indexer family: every implementation (default and sampled configs) against the reference and oracles.
 
-Hypothesis draws storage formats, head counts, ragged key ranges (empty rows, full rows, tails
-that are not multiples of a tile), paged layouts with scattered cache blocks, and value shapes
-for selection (exact repeats, +-inf, NaN). Scores are compared with the similarity measure of
+Hypothesis draws (with the strategies of flashkern.kernels.indexer.cases, which `flashkern check` shares)
+storage formats, head counts, ragged key ranges (empty rows, full rows, tails that are not multiples
+of a tile), paged layouts with scattered cache blocks, and value shapes for selection (exact repeats,
++-inf, NaN). Scores are compared with the similarity measure of
 docs/operators.md section 2 plus identical -inf masks (kernels.indexer.check_logits_result); selections with the property
 oracle (kernels.indexer.check_topk_result) and, since every implementation follows the reference's
 tie rule, for exact equality too.
@@ -22,162 +23,13 @@ from flashkern import registry
 from flashkern.kernels.indexer import (CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem,
                                        TopkProblem, check_logits_result, check_topk_result,
                                        similarity_diff)
+from flashkern.kernels.indexer.cases import (candidate_cases, logits_cases, paged_cases, quantized, sparse_cases,
+                                             topk_cases)
 from flashkern.reference import indexer as ref
 
 OPS = {name: registry.get(name) for name in
        ("mqa_logits", "paged_mqa_logits", "topk_indices", "candidate_blocks", "sparse_mqa_logits")}
 KERNELS = ("triton", "tilelang")
-# Drawn indexer shapes: the model's, and a small one (each is a compiled specialization per kernel).
-INDEXERS = st.sampled_from([Indexer(32, 128, "fp8"), Indexer(32, 128, "mxfp4"), Indexer(4, 64, "fp8"),
-                            Indexer(4, 64, "mxfp4")])
-
-
-def _seed(draw) -> torch.Generator:
-    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-
-
-def _quantized(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen, magnitude: float) -> dict:
-    """q, k, k_scale, q_scale and w in the drawn format; some keys all zero (a zero scale row)."""
-    h, d = indexer.heads, indexer.dim
-    q = torch.randn(*q_lead, h, d, generator=gen) * magnitude
-    k = torch.randn(*k_lead, d, generator=gen) * magnitude
-    k.view(-1, d)[:: 7] = 0.0
-    w = torch.randn(*q_lead, h, generator=gen)
-    if indexer.fmt == "fp8":
-        (q8, q_fold), (k8, k_scale) = ref.quantize_fp8_rows(q), ref.quantize_fp8_rows(k)
-        return dict(q=q8, k=k8, k_scale=k_scale, q_scale=None, w=w * q_fold)
-    (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
-    return dict(q=qp, k=kp, k_scale=k_scale, q_scale=q_scale, w=w)
-
-
-def _ranges(draw, gen, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    kind = draw(st.sampled_from(["causal", "random", "full", "empty_rows"]))
-    if kind == "causal":
-        ke = (torch.arange(rows) + keys - rows + 1).clamp(0, keys)
-        ks = torch.zeros(rows, dtype=torch.long)
-    elif kind == "full":
-        ks, ke = torch.zeros(rows, dtype=torch.long), torch.full((rows,), keys)
-    else:
-        a, b = torch.randint(0, keys + 1, (2, rows), generator=gen)
-        ks, ke = torch.minimum(a, b), torch.maximum(a, b)
-        if kind == "empty_rows":
-            ke[::2] = ks[::2]
-    note(f"ranges={kind}")
-    return ks.int(), ke.int()
-
-
-@st.composite
-def logits_cases(draw):
-    indexer = draw(INDEXERS)
-    rows = draw(st.one_of(st.integers(1, 8), st.integers(9, 70)))
-    keys = draw(st.one_of(st.integers(1, 40), st.integers(41, 700)))
-    gen = _seed(draw)
-    inputs = _quantized(indexer, (rows,), (keys,), gen, draw(st.sampled_from([1.0, 1e-3, 300.0])))
-    inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
-    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
-    note(f"{indexer} rows={rows} keys={keys} {inputs['logits_dtype']}")
-    return on_device(inputs)
-
-
-@st.composite
-def paged_cases(draw):
-    indexer = draw(INDEXERS)
-    batch, next_n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 6]))
-    block_size, max_blocks = draw(st.sampled_from([16, 64])), draw(st.integers(1, 6))
-    gen = _seed(draw)
-    cache_blocks = batch * max_blocks + draw(st.integers(0, 3))
-    inputs = _quantized(indexer, (batch, next_n), (cache_blocks, block_size), gen, 1.0)
-    inputs["k_cache"] = inputs.pop("k")
-    inputs["w"] = inputs["w"].flatten(0, 1)
-    lens = torch.randint(0, max_blocks * block_size + 1, (batch,), generator=gen).int()
-    lens[0] = max_blocks * block_size  # one full table
-    table = torch.randperm(cache_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).int()
-    used = torch.arange(max_blocks) * block_size < lens[:, None].long()
-    inputs["block_table"] = torch.where(used, table, -7)  # entries past the context are garbage, never read
-    if draw(st.booleans()):  # per token [B, next_n]: up to the sequence's length, in any order; one full row
-        lens = (torch.rand(batch, next_n, generator=gen) * (lens[:, None] + 1)).int().clamp(max=lens[:, None])
-        lens[0, -1] = max_blocks * block_size
-    inputs["context_lens"] = lens
-    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
-    note(f"{indexer} batch={batch} next_n={next_n} block_size={block_size} max_blocks={max_blocks} lens={lens.tolist()} "
-         f"{inputs['logits_dtype']}")
-    return on_device(inputs)
-
-
-VALUE_MODES = ("normal", "ties", "extreme", "nan")
-LOGITS_DTYPES = st.sampled_from([torch.float32, torch.float32, torch.bfloat16])  # paged logits may be bf16
-
-
-def selection_values(gen, rows: int, positions: int, mode: str) -> torch.Tensor:
-    values = torch.randn(rows, positions, generator=gen).relu() * 3
-    if mode == "ties":  # few distinct values: many exact repeats straddle the k-th
-        values = torch.randint(-3, 3, (rows, positions), generator=gen).float()
-    elif mode == "extreme":
-        pick = torch.randint(0, 5, (rows, positions), generator=gen)
-        special = torch.tensor([torch.inf, -torch.inf, 3e38, -3e38, 0.0])
-        values = torch.where(torch.rand(rows, positions, generator=gen) < 0.3, special[pick], values)
-        values[::3] = -0.0
-    elif mode == "nan":
-        values[torch.rand(rows, positions, generator=gen) < 0.2] = torch.nan
-        values[torch.rand(rows, positions, generator=gen) < 0.2] = -torch.inf
-    return values
-
-
-@st.composite
-def topk_cases(draw, max_positions: int = 3000):
-    rows = draw(st.integers(1, 24))
-    positions = draw(st.one_of(st.integers(1, 40), st.integers(41, max_positions)))
-    k = draw(st.sampled_from([1, 7, 64, 512, 2048]))
-    mode = draw(st.sampled_from(VALUE_MODES))
-    gen = _seed(draw)
-    ends = torch.randint(0, positions + 1, (rows,), generator=gen).int()
-    ends[0] = positions
-    starts = (torch.rand(rows, generator=gen) * (ends + 1)).int().clamp(max=ends) if draw(st.booleans()) else None
-    by_score, dtype = draw(st.booleans()), draw(LOGITS_DTYPES)
-    note(f"rows={rows} positions={positions} k={k} mode={mode} starts={starts is not None} sorted={by_score} {dtype}")
-    return on_device(dict(logits=selection_values(gen, rows, positions, mode).to(dtype), ends=ends, k=k, starts=starts,
-                          sorted=by_score))
-
-
-@st.composite
-def candidate_cases(draw):
-    rows = draw(st.integers(1, 16))
-    positions = draw(st.one_of(st.integers(1, 40), st.integers(41, 4000)))
-    n_blocks, block = draw(st.sampled_from([1, 5, 64, 2048])), draw(st.sampled_from([8, 4]))
-    mode, dtype = draw(st.sampled_from(VALUE_MODES)), draw(LOGITS_DTYPES)
-    gen = _seed(draw)
-    row_end = torch.randint(0, positions + 1, (rows,), generator=gen).int()
-    row_end[0] = positions
-    note(f"rows={rows} positions={positions} n_blocks={n_blocks} block={block} mode={mode} {dtype}")
-    return on_device(dict(logits=selection_values(gen, rows, positions, mode).to(dtype), row_end=row_end,
-                          n_blocks=n_blocks, block=block))
-
-
-def candidate_lists(gen, ke: torch.Tensor, n_blocks: int, block: int, keys: int) -> torch.Tensor:
-    """Per row: distinct block ids (visible ones mostly, sometimes past ke), random order, -1 padded."""
-    total = -(-keys // block)
-    blocks = torch.full((len(ke), n_blocks), -1, dtype=torch.int32)
-    for m in range(len(ke)):
-        chosen = torch.randperm(total, generator=gen)[: int(torch.randint(0, n_blocks + 1, (1,), generator=gen))]
-        blocks[m, : len(chosen)] = chosen.int()
-        blocks[m] = blocks[m, torch.randperm(n_blocks, generator=gen)]
-    return blocks
-
-
-@st.composite
-def sparse_cases(draw):
-    indexer = draw(INDEXERS)
-    rows, keys = draw(st.integers(1, 12)), draw(st.one_of(st.integers(1, 40), st.integers(41, 600)))
-    block, n_blocks = draw(st.sampled_from([8, 4])), draw(st.integers(1, 40))
-    top_k = draw(st.sampled_from([1, 16, 64, 512]))
-    gen = _seed(draw)
-    inputs = _quantized(indexer, (rows,), (keys,), gen, 1.0)
-    inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
-    inputs.update(blocks=candidate_lists(gen, inputs["ke"], n_blocks, block, keys), top_k=top_k, block=block)
-    note(f"{indexer} rows={rows} keys={keys} block={block} n_blocks={n_blocks} top_k={top_k}")
-    return on_device(inputs)
-
-
 CASES = {"mqa_logits": logits_cases, "paged_mqa_logits": paged_cases, "topk_indices": topk_cases,
          "candidate_blocks": candidate_cases, "sparse_mqa_logits": sparse_cases}
 EXACT = ("topk_indices", "candidate_blocks")  # selections from exact values follow the reference's tie rule
@@ -196,14 +48,14 @@ def run_and_check(op, inputs, backend, config=None):
 @pytest.mark.parametrize("name", sorted(CASES))
 @given(data=st.data())
 def test_matches_reference(name, backend, data):
-    run_and_check(OPS[name], data.draw(CASES[name]()), backend)
+    run_and_check(OPS[name], on_device(data.draw(CASES[name]())), backend)
 
 
 @pytest.mark.parametrize("name", ("topk_indices", "sparse_mqa_logits"))
 @given(data=st.data())
 def test_reference_selection_passes_the_oracle(name, data):
     """The reference itself satisfies the selection oracle (which the kernels are held to)."""
-    run_and_check(OPS[name], data.draw(CASES[name]()), "reference")
+    run_and_check(OPS[name], on_device(data.draw(CASES[name]())), "reference")
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -213,7 +65,7 @@ def test_reference_selection_passes_the_oracle(name, data):
 def test_sampled_configs_match_reference(name, backend, data):
     """Any config of the tuning space (not only the default) is correct."""
     op = OPS[name]
-    inputs = data.draw(CASES[name]())
+    inputs = on_device(data.draw(CASES[name]()))
     impl = op.implementation(backend)
     config = data.draw(st.sampled_from(impl.space.configs(op.check(inputs), target=DEVICE.type)))
     note(f"config={config}")
@@ -360,7 +212,7 @@ def test_ue8m0_byte_ff_is_nan_and_byte_0_is_2_to_the_minus_127(backend):
     decoded = ref.ue8m0_decode(torch.tensor([0, 127, 254, 255], dtype=torch.uint8))
     assert decoded[:3].tolist() == [2.0**-127, 1.0, 2.0**127] and decoded[3].isnan()
     gen = torch.Generator().manual_seed(11)
-    inputs = _quantized(Indexer(4, 64, "mxfp4"), (3,), (40,), gen, 1.0)
+    inputs = quantized(Indexer(4, 64, "mxfp4"), (3,), (40,), gen, 1.0)
     inputs["ks"], inputs["ke"] = torch.zeros(3, dtype=torch.int32), torch.tensor([40, 20, 40], dtype=torch.int32)
     inputs["k_scale"][5, 1] = 0xFF  # key 5: NaN for every row that sees it
     inputs["q_scale"][1, 2, 0] = 0xFF  # row 1 (head 2): NaN on its visible keys [0, 20)

@@ -1,10 +1,9 @@
 """mHC: Sinkhorn, pre, post and the V4.1 chain, every implementation against the reference.
 
-Hypothesis draws the stream count, token counts and hidden sizes with odd tails (D = 1, 37, 100, ...,
-and the model's 4096 / 5120 / 7168 at a few tokens), how values look (normal; large epsilons and few
-iterations, which make every epsilon and the iteration order visible; all-zero token rows; huge
-magnitudes; a token row holding NaN or inf, which must stay in its row), norm on and off, and each
-collapse of the layer input (the fresh pre, a carried pre-mix, stream 0). The comparison is the
+Hypothesis draws the inputs from the operators' strategies (flashkern.kernels.mhc.cases, shared with
+`flashkern check`): the stream count, token counts and hidden sizes with odd tails, how values look
+(large epsilons and few iterations, all-zero token rows, huge magnitudes, a NaN or inf token row),
+norm on and off, and each collapse of the layer input. The comparison is the
 operator's own (kernels/mhc, docs/operators.md section 4: fp32 gates within 1e-3, bf16 outputs at atol 5e-2 / rtol 1e-2,
 Sinkhorn at assert_close's fp32 defaults); the properties the spec names are checked on kernel outputs
 besides, the chain against its composition at 1e-2, and the stream-0 collapse bit for bit.
@@ -20,78 +19,17 @@ from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
+from flashkern.kernels.mhc.cases import apply_value_mode
 from flashkern.reference import mhc as ref
 from flashkern.reference.mhc import COLLAPSES
 
 KERNELS = ("triton", "tilelang")
 OPS = {name: registry.get(name) for name in ("sinkhorn", "mhc_pre", "mhc_post", "mhc_post_pre")}
-ODD_HIDDEN = (1, 7, 37, 100, 256, 300)
-VALUE_MODES = ("normal", "large_eps", "zero_rows", "huge", "nonfinite_row")
 
 
-def _seed(draw) -> torch.Generator:
-    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-
-
-@st.composite
-def sinkhorn_cases(draw):
-    n = draw(st.integers(1, 8))
-    lead = draw(st.sampled_from([(), (1,), (37,), (3, 5), (130,)]))
-    spread = draw(st.sampled_from([0.1, 2.0, 30.0]))
-    gen = _seed(draw)
-    x = spread * torch.randn(*lead, n, n, generator=gen)
-    mode = draw(st.sampled_from(["normal", "ties", "huge"]))
-    if mode == "ties":  # equal rows and equal entries
-        x = torch.randint(-1, 2, x.shape, generator=gen).float()
-    elif mode == "huge":
-        x = torch.where(torch.rand(x.shape, generator=gen) < 0.3, 1e4 * torch.sign(x), x)
-    iters, eps = draw(st.sampled_from([1, 2, 3, 20, 50])), draw(st.sampled_from([1e-6, 0.0, 0.1]))
-    note(f"shape={list(x.shape)} spread={spread} mode={mode} iters={iters} eps={eps}")
-    return on_device(dict(x=x, iters=iters, eps=eps))
-
-
-def _fill(gen: torch.Generator, inputs: dict, mode: str) -> dict:
-    """Apply a value mode to made inputs (see the module docstring)."""
-    residual = inputs["residual"].float()
-    tokens = residual.shape[0]
-    if mode == "large_eps":  # mhc_post has no scalars
-        large = dict(rms_eps=0.5, pre_eps=0.25, sinkhorn_eps=0.1, post_mult=1.5, norm_eps=0.3,
-                     iters=int(torch.randint(1, 4, (1,), generator=gen)))
-        inputs.update({k: v for k, v in large.items() if k in inputs})
-    elif mode == "zero_rows":
-        residual[torch.rand(tokens, generator=gen) < 0.3] = 0
-    elif mode == "huge":
-        residual *= 3e3
-    elif mode == "nonfinite_row":
-        residual[int(torch.randint(0, tokens, (1,), generator=gen)), 0, 0] = float("nan" if tokens % 2 else "inf")
-    inputs["residual"] = residual.to(torch.bfloat16)
-    return inputs
-
-
-@st.composite
-def mhc_problems(draw, op: str):
-    tokens = draw(st.integers(1, 24)) if draw(st.integers(0, 2)) else draw(st.integers(25, 300))
-    hidden = draw(st.sampled_from(ODD_HIDDEN))
-    if draw(st.integers(0, 9)) == 0:  # now and then a model width at a few tokens
-        tokens, hidden = draw(st.integers(1, 3)), draw(st.sampled_from([4096, 5120, 7168]))
-    streams = draw(st.sampled_from([4, 4, 4, 2, 1, 8]))
-    if op == "mhc_post":
-        return MhcProblem(tokens, hidden, streams)
-    return MhcProblem(tokens, hidden, streams, has_norm=draw(st.booleans()), collapse=draw(st.sampled_from(COLLAPSES)))
-
-
-@st.composite
-def mhc_cases(draw, op: str):
-    problem = draw(mhc_problems(op))
-    gen = _seed(draw)
-    inputs = OPS[op].make_inputs(problem, "cpu", seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
-    mode = draw(st.sampled_from(VALUE_MODES))
-    note(f"{problem.key} mode={mode}")
-    return on_device(_fill(gen, inputs, mode))
-
-
-def cases(op: str):
-    return sinkhorn_cases() if op == "sinkhorn" else mhc_cases(op)
+def cases(name: str):
+    """The operator's strategy (Operator.cases: flashkern.kernels.mhc.cases, as `flashkern check` draws), on DEVICE."""
+    return OPS[name].cases().map(on_device)
 
 
 def run_and_check(op, inputs, backend, config=None):
@@ -275,8 +213,8 @@ def test_bad_arguments_are_named_before_launch(monkeypatch, name, changes, error
 def test_comparison_rejects(corruption):
     """The comparisons can fail: wrong answers of the kinds a kernel bug gives are rejected."""
     op = OPS["mhc_post_pre"]
-    inputs = _fill(torch.Generator().manual_seed(0), op.make_inputs(MhcProblem(9, 37, collapse="carried"), "cpu", 4),
-                   "large_eps")
+    made = op.make_inputs(MhcProblem(9, 37, collapse="carried"), "cpu", 4)
+    inputs = apply_value_mode(torch.Generator().manual_seed(0), made, "large_eps")
     good = op.reference(**inputs)
     if corruption == "pre_eps dropped":
         bad = good._replace(pre=good.pre - inputs["pre_eps"])

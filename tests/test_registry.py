@@ -19,6 +19,7 @@ def test_every_operator_is_an_op_entry_with_presets_and_both_dsls():
         assert getattr(flashkern.ops, op.name) is op.entry
         assert {impl.name for impl in op.implementations} == {"triton", "tilelang"}
         assert {"smoke"} <= set(op.presets) and all(op.presets.values())
+        assert op.cases is not None  # the property tests' draws, shared with `flashkern check`
     assert set(dir(flashkern.ops)) == {op.name for op in OPERATORS}
 
 

@@ -9,7 +9,8 @@
 
 Storage forms: FP8 (e4m3 with a fp32 scale per key) and MXFP4 (packed e2m1 with ue8m0 scales per
 32 values, as bytes or DeepGEMM's packed int32 words). The math, formats and selection rule are in
-flashkern.reference.indexer; DeepGEMM's call signatures are in flashkern.compat.deep_gemm.
+flashkern.reference.indexer; DeepGEMM's call signatures are in flashkern.compat.deep_gemm. The hypothesis
+strategies of inputs, for the tests and `flashkern check`, are in cases.py.
 """
 
 from __future__ import annotations
@@ -668,6 +669,14 @@ def sparse_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tens
     return call(SPARSE_MQA_LOGITS, locals())
 
 
+def _cases():
+    """The family's input strategies (cases.py), imported on first use: cases.py imports from this module, so a
+    top-level import would be circular (and hypothesis stays out of the entry points' import)."""
+    from flashkern.kernels.indexer import cases
+
+    return cases
+
+
 MQA_LOGITS = Operator(
     name="mqa_logits",
     summary="indexer logits, dense ragged (FP8 or MXFP4 keys)",
@@ -684,6 +693,7 @@ MQA_LOGITS = Operator(
     check_values=_ragged_values,
     prepare=kernel_views,
     make_inputs=make_logits_inputs,
+    cases=lambda: _cases().logits_cases(),
     compare=compare_logits,
     cost=logits_cost,
     presets=LOGITS_PRESETS,
@@ -705,6 +715,7 @@ PAGED_MQA_LOGITS = Operator(
     check_values=_paged_values,
     prepare=kernel_views,
     make_inputs=make_paged_inputs,
+    cases=lambda: _cases().paged_cases(),
     compare=compare_logits,
     cost=paged_cost,
     presets=PAGED_PRESETS,
@@ -724,6 +735,7 @@ TOPK_INDICES = Operator(
     outputs=topk_outputs,
     check_values=_topk_values,
     make_inputs=make_topk_inputs,
+    cases=lambda: _cases().topk_cases(),
     compare=compare_topk,
     cost=topk_cost,
     presets=TOPK_PRESETS,
@@ -744,6 +756,7 @@ CANDIDATE_BLOCKS = Operator(
     outputs=candidate_outputs,
     check_values=_candidate_values,
     make_inputs=make_candidate_inputs,
+    cases=lambda: _cases().candidate_cases(),
     compare=compare_candidates,
     cost=candidates_cost,
     presets=CANDIDATE_PRESETS,
@@ -765,6 +778,7 @@ SPARSE_MQA_LOGITS = Operator(
     check_values=_sparse_values,
     prepare=kernel_views,
     make_inputs=make_sparse_inputs,
+    cases=lambda: _cases().sparse_cases(),
     compare=compare_sparse,
     cost=sparse_cost,
     presets=SPARSE_PRESETS,

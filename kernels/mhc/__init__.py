@@ -8,10 +8,13 @@
                 -> ChainOutputs(residual, layer_input, pre, post, comb)
 mhc_pre and mhc_post_pre collapse the layer input with the pre computed now, a carried pre-mix (V4.1's
 delayed pre) or residual stream 0 itself (V4.1 at model entry), as pre_mix and delayed select.
-The math is in flashkern.reference.mhc.
+The math is in flashkern.reference.mhc; the strategies the tests and `flashkern check` draw inputs from
+(Operator.cases) in flashkern.kernels.mhc.cases.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -21,6 +24,7 @@ from flashkern.dispatch import call
 from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.mhc import tilelang_mhc, triton_mhc
+from flashkern.kernels.mhc.cases import mhc_cases, sinkhorn_cases
 from flashkern.kernels.mhc.problem import (MODEL_HIDDEN, MhcProblem, SinkhornProblem, empty_chain_outputs,
                                        empty_pre_outputs, empty_residual, empty_sinkhorn_output)
 from flashkern.reference import mhc as ref
@@ -378,7 +382,7 @@ SINKHORN = Operator(
                                      tilelang_mhc.sinkhorn_args, "sinkhorn"),
     check=check_sinkhorn, outputs=empty_sinkhorn_output, make_inputs=make_sinkhorn_inputs, compare=compare_sinkhorn,
     cost=sinkhorn_cost,
-    presets=SINKHORN_PRESETS,
+    presets=SINKHORN_PRESETS, cases=sinkhorn_cases,
 )
 
 MHC_PRE = Operator(
@@ -386,7 +390,7 @@ MHC_PRE = Operator(
     entry=mhc_pre, reference=ref.mhc_pre,
     implementations=_implementations(triton_mhc.plan_pre, tilelang_mhc.pre_program, tilelang_mhc.pre_args, "pre"),
     check=check_pre, outputs=empty_pre_outputs, make_inputs=make_pre_inputs, compare=compare_outputs, cost=pre_cost,
-    presets=PRE_PRESETS,
+    presets=PRE_PRESETS, cases=partial(mhc_cases, "mhc_pre"),
 )
 
 MHC_POST = Operator(
@@ -395,7 +399,7 @@ MHC_POST = Operator(
     implementations=_implementations(triton_mhc.plan_post, tilelang_mhc.post_program, tilelang_mhc.post_args,
                                      "post"),
     check=check_post, outputs=empty_residual, make_inputs=make_post_inputs, compare=compare_post, cost=post_cost,
-    presets=POST_PRESETS,
+    presets=POST_PRESETS, cases=partial(mhc_cases, "mhc_post"),
 )
 
 MHC_POST_PRE = Operator(
@@ -405,7 +409,7 @@ MHC_POST_PRE = Operator(
                                      tilelang_mhc.post_pre_args, "pre"),
     check=check_post_pre, outputs=empty_chain_outputs, make_inputs=make_post_pre_inputs, compare=compare_outputs,
     cost=post_pre_cost,
-    presets=POST_PRE_PRESETS,
+    presets=POST_PRE_PRESETS, cases=partial(mhc_cases, "mhc_post_pre"),
 )
 
 OPERATORS = (SINKHORN, MHC_PRE, MHC_POST, MHC_POST_PRE)

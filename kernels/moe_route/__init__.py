@@ -1,4 +1,5 @@
-"""Fused MoE routing (docs/operators.md section 1): operator records, entry points, inputs, oracle, cost, presets.
+"""Fused MoE routing (docs/operators.md section 1): operator records, entry points, inputs, oracle, cost, presets
+(the hypothesis strategies of inputs, for the tests and `flashkern check`, are in cases.py).
 
 Two operators share one routing core:
   moe_route       router logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int32)
@@ -18,6 +19,7 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.moe_route import tilelang_kernels as tl_kernels
 from flashkern.kernels.moe_route import triton_kernels as tr_kernels
+from flashkern.kernels.moe_route.cases import gate_cases, route_cases
 from flashkern.kernels.moe_route.problem import V3, V41_FLASH, RouteProblem, Routing, empty_outputs  # noqa: F401
 from flashkern.reference import moe_route as ref
 from flashkern.registry import Cost, Implementation, Operator
@@ -323,6 +325,7 @@ MOE_ROUTE = Operator(
     compare=compare_route,
     cost=route_cost,
     presets=ROUTE_PRESETS,
+    cases=route_cases,
 )
 
 MOE_ROUTE_GATE = Operator(
@@ -343,6 +346,7 @@ MOE_ROUTE_GATE = Operator(
     compare=compare_route_gate,
     cost=route_gate_cost,
     presets=GATE_PRESETS,
+    cases=gate_cases,
 )
 
 OPERATORS = (MOE_ROUTE, MOE_ROUTE_GATE)
