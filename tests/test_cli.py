@@ -36,6 +36,20 @@ def test_bench_prints_a_table_per_operator_and_checks_outputs(tmp_path):
     assert problems[0].key in proc.stdout
 
 
+def test_the_fastest_column_may_name_the_reference():
+    from flashkern.cli import _fastest
+
+    assert _fastest({"reference": 1e-4, "tilelang": 4e-4}) == "reference"
+    assert _fastest({"reference": 4e-4, "tilelang": 1e-4}) == "tilelang 4.00x ref"
+
+
+def test_long_lines_are_not_wrapped_off_a_terminal():
+    """A line meant to be copied (the bench header here) stays one line when stdout is a pipe."""
+    proc = run_cli("bench", "sinkhorn", "--budget", "0.001", "--backends", "triton")
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("bench on"))
+    assert header.endswith("a correctness path"), header
+
+
 def test_bench_and_compile_check_refuse_unknown_names():
     with pytest.raises(SystemExit, match="unknown operator 'nope'"):
         main(["bench", "nope"])
