@@ -8,7 +8,13 @@ kernel's source). Rows whose device or versions differ from the running ones are
 used for dispatch. Each row is written in its own transaction, so a sweep killed at any moment
 loses no finished result, and concurrent tuners (WAL, busy timeout) both keep all of theirs.
 Decisions (the winner per shape) are rows of their own, keyed the same way by the versions of
-every candidate that competed.
+every candidate that competed. Timed rows carry the median, the IQR (the spread) and the torch
+thread count they were timed at (flashkern.autotune.timing).
+
+Schema upgrades happen in place when a store is opened: each new version's columns are added
+(ALTER TABLE ADD COLUMN, in one transaction), so earlier rows keep every value and hold NULL in
+the new columns: schema 2 added `iqr` and `threads` to results and decisions, NULL for rows
+timed before spreads and thread counts were recorded. A store of a newer schema is refused.
 
 A store that SQLite cannot read raises StoreError saying where it is and how to get out:
 nothing is deleted or overwritten; `flashkern store quarantine` moves it aside.
@@ -24,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ENV_VAR = "FLASHKERN_TUNE_DB"
-SCHEMA = 1
+SCHEMA = 2
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -36,17 +42,23 @@ CREATE TABLE IF NOT EXISTS results (
     median REAL, low REAL, high REAL, reps INTEGER,
     registers INTEGER, spills INTEGER, smem INTEGER,
     bytes REAL NOT NULL, flops REAL NOT NULL,
-    created REAL NOT NULL,
+    created REAL NOT NULL, iqr REAL, threads INTEGER,
     PRIMARY KEY (op, impl, config, shape, dtypes, device, versions)
 );
 CREATE TABLE IF NOT EXISTS decisions (
     op TEXT NOT NULL, shape TEXT NOT NULL, dtypes TEXT NOT NULL, device TEXT NOT NULL, versions TEXT NOT NULL,
     spec TEXT NOT NULL, sizes TEXT NOT NULL,
     impl TEXT NOT NULL, config TEXT NOT NULL, median REAL NOT NULL, reason TEXT NOT NULL,
-    created REAL NOT NULL,
+    created REAL NOT NULL, iqr REAL, threads INTEGER,
     PRIMARY KEY (op, shape, dtypes, device, versions)
 );
 """
+
+# Schema N: the statements that bring a store of schema N - 1 to N (columns added; existing rows get NULL)
+_UPGRADES = {
+    2: [f"ALTER TABLE {table} ADD COLUMN {column}" for table in ("results", "decisions")
+        for column in ("iqr REAL", "threads INTEGER")],
+}
 
 # Result statuses
 OK = "ok"  # correct and timed
@@ -100,6 +112,8 @@ class Result:
     low: float | None = None
     high: float | None = None
     reps: int | None = None
+    iqr: float | None = None  # seconds; None: timed before schema 2 recorded spreads
+    threads: int | None = None  # torch threads while timing; None: timed before schema 2
     registers: int | None = None
     spills: int | None = None
     smem: int | None = None
@@ -119,6 +133,8 @@ class Decision:
     config: str
     median: float
     reason: str
+    iqr: float | None = None  # of the winner's timing in the final interleaved re-time; None before schema 2
+    threads: int | None = None  # torch threads of that re-time; None before schema 2
     created: float = field(default_factory=time.time)
 
 
@@ -140,14 +156,37 @@ class Store:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: committed rows survive a killed process
             self._db.executescript(_TABLES)
-            version = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
-            if version is None:
-                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
-            elif int(version[0]) != SCHEMA:
-                raise StoreError(f"the tuning store {self.path} has schema {version[0]}, this flashkern reads "
-                                 f"schema {SCHEMA}; use another store with --db PATH or ${ENV_VAR}=PATH")
+            self._upgrade()
         except sqlite3.DatabaseError as exc:
             raise _corrupt(self.path, exc) from exc
+
+    def _schema(self) -> int | None:
+        """The store's schema version (None: a new store); refuses a newer one."""
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchone()
+        if row is not None and int(row[0]) > SCHEMA:
+            raise StoreError(f"the tuning store {self.path} has schema {row[0]}, newer than this flashkern reads "
+                             f"({SCHEMA}); upgrade flashkern or use another store with --db PATH or ${ENV_VAR}=PATH")
+        return None if row is None else int(row[0])
+
+    def _upgrade(self) -> None:
+        """Stamp a new store with SCHEMA, or bring an older one up to it in place, in one transaction (a
+        concurrent opener waits for it, then finds the work done). A current store is only read."""
+        if self._schema() == SCHEMA:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            version = self._schema()
+            if version is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+            else:
+                for target in range(version + 1, SCHEMA + 1):
+                    for statement in _UPGRADES[target]:
+                        self._db.execute(statement)
+                self._db.execute("UPDATE meta SET value = ? WHERE name = 'schema'", (str(SCHEMA),))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()

@@ -1,62 +1,87 @@
-"""Timing one call: CUDA events with a cold L2 on GPUs, wall-clock medians on CPUs.
+"""Timing one call with well-kept timers at a fixed thread count: the median and its spread.
 
-The first call is a warm-up (it may compile); the second, timed, sizes the repetitions to fit a
-time budget, between min_reps and max_reps. The median is the figure to quote; min and max
-show the spread.
+CPU: `torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=budget)`. Its block-size
+estimate calls fn untimed first (the warm-up), then picks a block of calls long enough that the
+timer's own cost is under 0.01% of it and times blocks until `budget` seconds are spent; a
+sample is one block's time per call.
+CUDA: `triton.testing.do_bench(fn, rep=budget, return_mode="all")`: untimed warm-up calls, then
+every call timed alone with CUDA events, each after a 256 MB write that evicts L2 (a cold cache,
+as when a layer's weights stream from HBM); a sample is one call. Not `do_bench_cudagraph`: it
+cannot capture a candidate that synchronizes with the host (a reference may) and does not flush
+L2 between calls, so candidates would not all be timed alike.
+
+Threads: torch's intra-op thread count is set to `threads` while timing and restored after.
+The CPU default is 1: TileLang's C target runs on one thread, so one thread compares like with
+like, and it is the count that holds next to a busy neighbour. Measured on the 2-core CI
+machine with other jobs running (moe_route_gate T=1 E=384 reference): 1.0 ms at 1 thread and
+24 ms at 2 threads; with one busy process per core, torch at 2 threads took 8 ms per call for
+work of 0.1 ms at 1 thread (every shape of sinkhorn, mhc and moe_route: stalls of a scheduler
+time slice) and up to 295 ms for 12 ms of work. On CUDA the default is torch's count (the host
+only launches).
+
+The figures (all from torch's Measurement of the samples): the median, the one to quote; the IQR
+(75th minus 25th percentile), the spread; the fastest and slowest samples; the calls timed.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils.benchmark import Measurement, TaskSpec, Timer, set_torch_threads
+
+MIN_MARGIN = 0.03  # a gap under 3% of the faster median is never trusted, whatever the spread
 
 
 @dataclass(frozen=True)
 class Timing:
-    median: float  # seconds
-    low: float
-    high: float
-    reps: int
+    median: float  # seconds per call: the median of the samples
+    low: float  # the fastest sample
+    high: float  # the slowest sample
+    reps: int  # calls timed, all samples together
+    iqr: float  # seconds: 75th minus 25th percentile of the samples
+    threads: int  # torch intra-op threads while timing
+    samples: tuple[float, ...] = field(default=(), repr=False, compare=False)  # seconds per call, one per sample
+
+    @property
+    def spread(self) -> float:
+        """The IQR relative to the median."""
+        return self.iqr / self.median
 
 
-_L2_FLUSH: dict[torch.device, torch.Tensor] = {}
+def default_threads(device) -> int:
+    """The thread count to time with on `device` when none is asked for (the module docstring says why)."""
+    return 1 if torch.device(device).type == "cpu" else torch.get_num_threads()
 
 
-def _flush_l2(device: torch.device) -> None:
-    """Overwrite a buffer larger than any L2 (H200: 60 MiB), so every timed call starts cold."""
-    if device not in _L2_FLUSH:
-        _L2_FLUSH[device] = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    _L2_FLUSH[device].zero_()
+def summarize(samples, reps: int, threads: int) -> Timing:
+    """The Timing of per-call samples (seconds)."""
+    samples = tuple(samples)
+    stats = Measurement(number_per_run=1, raw_times=list(samples), task_spec=TaskSpec("fn()", "pass", num_threads=threads))
+    return Timing(stats.median, min(samples), max(samples), reps, stats.iqr, threads, samples)
 
 
-def measure(fn, device, *, budget: float = 1.0, min_reps: int = 1, max_reps: int = 100) -> Timing:
-    """Time fn() on `device` (a torch.device or str)."""
+def pooled(timings) -> Timing:
+    """One Timing of the samples of several measurements of one call at one thread count."""
+    return summarize([s for t in timings for s in t.samples], sum(t.reps for t in timings), timings[0].threads)
+
+
+def measure(fn, device, *, budget: float = 1.0, threads: int | None = None) -> Timing:
+    """Time fn() on `device` (a torch.device or str) for about `budget` seconds at `threads` torch threads."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    fn()  # warm-up: compilation, caches
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    probe = max(time.perf_counter() - start, 1e-7)
-    times = [] if cuda else [probe]  # on CUDA the probe ran with a warm L2: not a sample
-    reps = int(min(max_reps, max(min_reps, budget / probe)))
-    for _ in range(reps - len(times)):
-        if cuda:
-            _flush_l2(device)
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return Timing(statistics.median(times), min(times), max(times), reps)
+    threads = threads or default_threads(device)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        with set_torch_threads(threads):
+            samples = [ms / 1e3 for ms in do_bench(fn, rep=budget * 1e3, return_mode="all")]
+        return summarize(samples, len(samples), threads)
+    blocks = Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(min_run_time=budget)
+    return summarize(blocks.times, blocks.number_per_run * len(blocks.raw_times), threads)
+
+
+def beats(fast, slow) -> bool:
+    """Whether `fast` is faster than `slow` beyond their measured spread (Timings or stored results): the
+    gap between the medians exceeds half of each IQR (the boxes median ± IQR/2 do not overlap) plus
+    MIN_MARGIN of the faster median."""
+    return slow.median - fast.median > (fast.iqr + slow.iqr) / 2 + MIN_MARGIN * fast.median

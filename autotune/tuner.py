@@ -1,26 +1,42 @@
 """Sweeps: measure every implementation and config per shape, keep the results, pick a winner.
 
 For one operator and a list of problems, on one device:
-  1. candidates: the reference, and per implementation that runs here its default config plus up to
-     max_configs - 1 more from its tuning space (limits pruned for the target). On CPU, GPU-only
-     parameters are pinned to the default's values, and interpreted Triton contributes only its
-     default config: it is checked for correctness but never timed or chosen.
-  2. resume: candidates already in the store for this device and these versions are skipped.
+  1. candidates: the reference, and per implementation that runs here (of `backends`, default
+     all) its default config plus up to max_configs - 1 more from its tuning space (limits pruned
+     for the target). On CPU, GPU-only parameters are pinned to the default's values, and
+     interpreted Triton contributes only its default config: it is checked for correctness but
+     never timed or chosen.
+  2. resume: candidates already in the store for this device and these versions are skipped,
+     unless timed at another thread count (rows of a schema-1 store have none: they are timed
+     again, and their shapes decided again).
   3. build, in parallel worker processes: TileLang kernels are compiled (filling TileLang's disk
      cache for the timing process); on sm_90 devices every kernel is also built for its register,
      spill and shared-memory report, and spilling configs are pruned with the reason recorded.
-  4. one at a time: run, compare with the reference on the tuning inputs (failures are stored
-     with their reason), time, store.
-  5. decide: the leaders (within 25% of the best median) are re-timed in alternation; among
-     those within the noise of the fastest, the simplest wins (the reference, then a default
-     config, then others). The decision is stored with the versions of every candidate.
+  4. per shape: run each candidate once and compare with the reference on the tuning inputs
+     (failures are stored with their reason), then time the correct ones together (a timing
+     pass, below) and store each with its median, IQR and thread count.
+  5. decide: the leaders (by stored median: the fastest, the runner-up, and any other within 25%
+     of the fastest or not beaten by it beyond the spread; at most 4) are timed again in a fresh
+     pass. The fastest wins when it beats every other leader beyond the spread; otherwise the
+     leaders are timed once more, and if still not separated the simplest of the fastest and
+     those it does not beat wins (the reference, then a default config, then the faster), with a
+     reason starting "within noise". The decision is stored with the versions of every candidate.
+
+A timing pass (`Tuner._time`) runs ROUNDS interleaved rounds: each round times every candidate
+once for budget / ROUNDS seconds (flashkern.autotune.timing.measure, at the tuner's fixed torch
+thread count), starting one candidate further along each round, so a slow spell of the machine
+falls on all candidates alike rather than on one. A candidate's figure pools the samples of its
+rounds. An outlier (IQR over OUTLIER_SPREAD of the median, or round medians spread over
+ROUND_DISAGREEMENT of it) is measured again, in rounds with the other outliers, up to
+REMEASURES times; the steadiest pass is kept (a non-outlier first, then the smallest relative
+IQR). "Beyond the spread" is flashkern.autotune.timing.beats: the runner-up's median exceeds the
+winner's by more than half of each IQR plus 3% of the winner's median.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import statistics
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -30,12 +46,15 @@ from flashkern import device as devices
 from flashkern import registry
 from flashkern.autotune import identity
 from flashkern.autotune import store as st
-from flashkern.autotune.timing import measure
+from flashkern.autotune.timing import Timing, beats, default_threads, measure, pooled
 
-LEADER_WINDOW = 1.25  # leaders: within 25% of the best first-pass median
+ROUNDS = 5  # interleaved rounds per timing pass
+OUTLIER_SPREAD = 0.25  # an IQR over 25% of the median: timed through a noisy spell
+ROUND_DISAGREEMENT = 0.5  # round medians spread over 50% of the median: a slow spell hit some rounds
+REMEASURES = 2  # more passes for outliers
+LEADER_WINDOW = 1.25  # leaders: within 25% of the best stored median (or not beaten by it beyond the spread)
 MAX_LEADERS = 4
-RETIME_ROUNDS = 5
-MIN_NOISE = 0.03  # differences under 3% are never trusted
+DECIDE_PASSES = 2  # timing passes of the leaders before a decision is taken within noise
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,9 @@ class Candidate:
         """Simplicity, for ties within the noise: the reference, then defaults, then other configs."""
         return 0 if self.impl == "reference" else 1 if self.is_default else 2
 
+    def __str__(self) -> str:
+        return self.impl if self.impl == "reference" else f"{self.impl} {st.canonical(self.config)}"
+
 
 @dataclass
 class Summary:
@@ -59,10 +81,11 @@ class Summary:
     decided: int = 0  # new decisions
 
 
-def candidates(op, problem, info, max_configs: int, seed: int = 0) -> list[Candidate]:
+def candidates(op, problem, info, max_configs: int, seed: int = 0, backends=None) -> list[Candidate]:
+    """The reference, then per implementation of `backends` (default: all) its default and sampled configs."""
     found = [Candidate("reference", {}, True, True)]
     for impl in op.implementations:
-        if impl.unavailable(info):
+        if impl.unavailable(info) or (backends is not None and impl.name not in backends):
             continue
         default = impl.default_config(problem)
         if info.kind == "cpu" and impl.name == "triton":  # interpreter: a correctness path only
@@ -74,6 +97,24 @@ def candidates(op, problem, info, max_configs: int, seed: int = 0) -> list[Candi
             others = impl.space.sample_from(others, max_configs - 1, seed)
         found += [Candidate(impl.name, default, True, True)] + [Candidate(impl.name, c, False, True) for c in others]
     return found
+
+
+def verdict(leaders: list[Candidate], timings: list[Timing]) -> tuple[int, str, bool]:
+    """(index of the winner, the reason, whether it beat every other leader beyond the spread).
+
+    Separated: the fastest by median. Otherwise the simplest (Candidate.rank, then the faster) of the
+    fastest and the leaders it does not beat beyond the spread, with a reason starting "within noise"."""
+    order = sorted(range(len(leaders)), key=lambda i: timings[i].median)
+    fastest, runner_up = order[0], order[1]
+    rivals = [i for i in order[1:] if not beats(timings[fastest], timings[i])]
+    if not rivals:
+        fast, slow = timings[fastest], timings[runner_up]
+        return fastest, (f"fastest: {slow.median / fast.median:.2f}x faster than {leaders[runner_up]}, beyond the "
+                         f"spread (IQR {fast.spread:.0%} and {slow.spread:.0%} of the medians)"), True
+    won = min([fastest] + rivals, key=lambda i: (leaders[i].rank, timings[i].median))
+    tied = ", ".join(f"{leaders[i]} {timings[i].median * 1e6:.4g} us ± {timings[i].iqr * 5e5:.2g}"
+                     for i in [fastest] + rivals)
+    return won, f"within noise ({tied}): the simplest wins", False
 
 
 def _key(op, problem, candidate: Candidate, dtypes: str, device_key: str) -> st.Key:
@@ -103,9 +144,19 @@ def _build(op_name: str, impl_name: str, problem, config: dict, device: str):
         return st.BUILD_FAILED, f"{type(exc).__name__}: {last_line[:300]}", None
 
 
+def _outlier(timing: Timing, rounds: list[Timing]) -> bool:
+    """A large spread relative to the median, or rounds whose medians disagree."""
+    medians = [r.median for r in rounds]
+    return timing.spread > OUTLIER_SPREAD or (max(medians) - min(medians)) / timing.median > ROUND_DISAGREEMENT
+
+
 class Tuner:
     def __init__(self, store: st.Store, device: str | None = None, budget: float = 0.2, max_configs: int = 24,
-                 workers: int | None = None, seed: int = 0, progress=None):
+                 workers: int | None = None, seed: int = 0, progress=None, threads: int | None = None,
+                 backends=None):
+        """budget: seconds of timing per candidate and pass; threads: torch threads while timing (default
+        flashkern.autotune.timing.default_threads: 1 on CPU); backends: implementations to tune (default all;
+        the reference always competes)."""
         self.store = store
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.info = devices.info(self.device)
@@ -114,10 +165,19 @@ class Tuner:
         self.workers = workers or max(1, (os.cpu_count() or 2) - (1 if self.info.kind == "cuda" else 0))
         self.seed = seed
         self.progress = progress  # callable(total=..., advance=..., description=...)
+        self.threads = threads or default_threads(self.device)
+        self.backends = backends
 
     def _report(self, **kw):
         if self.progress:
             self.progress(**kw)
+
+    def _candidates(self, op, problem) -> list[Candidate]:
+        return candidates(op, problem, self.info, self.max_configs, self.seed, self.backends)
+
+    def _reusable(self, result: st.Result | None) -> bool:
+        """A stored result stands unless it was timed at another thread count (or before counts were stored)."""
+        return result is not None and (result.status != st.OK or result.threads == self.threads)
 
     def tune(self, op_name: str, problems) -> Summary:
         op = registry.get(op_name)
@@ -127,12 +187,12 @@ class Tuner:
             inputs = op.make_inputs(problem, self.device, seed=self.seed)
             dtypes = identity.dtypes(inputs)
             todo = []
-            for cand in candidates(op, problem, self.info, self.max_configs, self.seed):
+            for cand in self._candidates(op, problem):
                 key = _key(op, problem, cand, dtypes, self.info.key)
-                if self.store.get(key) is None:
-                    todo.append((cand, key))
-                else:
+                if self._reusable(self.store.get(key)):
                     summary.reused += 1
+                else:
+                    todo.append((cand, key))
             plans.append((problem, inputs, dtypes, todo))
 
         builds = [(problem, cand, key) for problem, _, _, todo in plans for cand, key in todo
@@ -143,10 +203,20 @@ class Tuner:
 
         for problem, inputs, dtypes, todo in plans:
             expected = op.reference(**inputs)
+            to_time = []
             for cand, key in todo:
-                if key not in failed:
-                    self.store.put(self._measure(op, problem, inputs, expected, cand, key))
+                rejected = None if key in failed else self._check(op, problem, inputs, expected, cand, key)
+                if rejected is None and key not in failed:
+                    to_time.append((cand, key))
+                    continue
+                if rejected is not None:
+                    self.store.put(rejected)
                     summary.measured += 1
+                self._report(advance=1)
+            timings = self._time([self._run(op, problem, inputs, cand) for cand, _ in to_time])
+            for (cand, key), timing in zip(to_time, timings):
+                self.store.put(self._result(op, problem, cand, key, st.OK, timing=timing))
+                summary.measured += 1
                 self._report(advance=1)
             self._decide(op, problem, inputs, dtypes, summary)
             self._report(advance=1)
@@ -157,11 +227,11 @@ class Tuner:
     def _result(self, op, problem, cand: Candidate, key: st.Key, status: str, reason: str = "", timing=None,
                 report=None) -> st.Result:
         cost = op.cost(problem)
+        figures = {name: getattr(timing, name) for name in ("median", "low", "high", "reps", "iqr", "threads")} \
+            if timing else {}
         return st.Result(
             key=key, spec=repr(problem.specialization()), sizes=tuple(problem.sizes), is_default=cand.is_default,
-            bytes=cost.bytes, flops=cost.flops, status=status, reason=reason,
-            median=timing.median if timing else None, low=timing.low if timing else None,
-            high=timing.high if timing else None, reps=timing.reps if timing else None,
+            bytes=cost.bytes, flops=cost.flops, status=status, reason=reason, **figures,
             registers=report.registers if report else None, spills=report.spills if report else None,
             smem=report.smem if report else None)
 
@@ -192,52 +262,73 @@ class Tuner:
         out = op.empty_outputs(problem, inputs)  # written in full by every run
         return lambda: impl.run(problem, inputs, cand.config, out)
 
-    def _measure(self, op, problem, inputs, expected, cand: Candidate, key: st.Key) -> st.Result:
-        run = self._run(op, problem, inputs, cand)
+    def _check(self, op, problem, inputs, expected, cand: Candidate, key: st.Key) -> st.Result | None:
+        """Run once against the reference: the Result to store when it fails or is not to be timed, else None."""
         try:
-            op.compare(inputs, expected, run())
+            op.compare(inputs, expected, self._run(op, problem, inputs, cand)())
         except AssertionError as exc:
             return self._result(op, problem, cand, key, st.INCORRECT, str(exc).strip().splitlines()[0][:500])
         except Exception as exc:
             return self._result(op, problem, cand, key, st.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}")
         if not cand.timed:
             return self._result(op, problem, cand, key, st.CHECKED, "correct; the interpreter is not timed")
-        return self._result(op, problem, cand, key, st.OK, timing=measure(run, self.device, budget=self.budget))
+        return None
+
+    def _rounds(self, runs) -> list[list[Timing]]:
+        """ROUNDS rounds, each timing every run once for budget / ROUNDS seconds, starting one run further along
+        each round; per run, its Timing of each round."""
+        timings = [[] for _ in runs]
+        for start in range(ROUNDS):
+            for i in range(len(runs)):
+                at = (start + i) % len(runs)
+                timings[at].append(measure(runs[at], self.device, budget=self.budget / ROUNDS, threads=self.threads))
+        return timings
+
+    def _time(self, runs) -> list[Timing]:
+        """A timing pass (see the module docstring): each run's pooled Timing, outliers re-measured."""
+        kept: dict[int, tuple[bool, float, Timing]] = {}  # run -> (outlier, relative IQR, timing) of its best pass
+        todo = list(range(len(runs)))
+        for _ in range(1 + REMEASURES):
+            for i, rounds in zip(todo, self._rounds([runs[i] for i in todo])):
+                timing = pooled(rounds)
+                steadiness = (_outlier(timing, rounds), timing.spread)
+                if i not in kept or steadiness < kept[i][:2]:
+                    kept[i] = (*steadiness, timing)
+            todo = [i for i in todo if kept[i][0]]
+            if not todo:
+                break
+        return [kept[i][2] for i in range(len(runs))]
 
     def _decide(self, op, problem, inputs, dtypes: str, summary: Summary) -> st.Decision | None:
         versions = identity.op_versions(op)
         for existing in self.store.decisions(op.name, self.info.key):
-            if existing.shape == problem.key and existing.dtypes == dtypes and existing.versions == versions:
-                return None  # already decided for these versions
+            if (existing.shape, existing.dtypes, existing.versions, existing.threads) == \
+                    (problem.key, dtypes, versions, self.threads):
+                return None  # already decided for these versions at this thread count
         current = []
-        for cand in candidates(op, problem, self.info, self.max_configs, self.seed):
+        for cand in self._candidates(op, problem):
             result = self.store.get(_key(op, problem, cand, dtypes, self.info.key))
-            if result is not None and result.status == st.OK:
+            if result is not None and result.status == st.OK and result.threads == self.threads:
                 current.append((cand, result))
         if not current:
             return None
-        best = min(r.median for _, r in current)
-        leaders = sorted((c for c in current if c[1].median <= LEADER_WINDOW * best), key=lambda c: c[1].median)
-        leaders = [cand for cand, _ in leaders[:MAX_LEADERS]]
-        medians = [r.median for _, r in sorted(current, key=lambda c: c[1].median)[:len(leaders)]]
-        noise = MIN_NOISE
-        if len(leaders) > 1:  # re-time the leaders in alternation: slow drifts hit all of them alike
-            rounds = [[] for _ in leaders]
-            for _ in range(RETIME_ROUNDS):
-                for i, cand in enumerate(leaders):
-                    timing = measure(self._run(op, problem, inputs, cand), self.device,
-                                     budget=self.budget / RETIME_ROUNDS)
-                    rounds[i].append(timing.median)
-            medians = [statistics.median(times) for times in rounds]
-            noise = max(MIN_NOISE, max((max(t) - min(t)) / statistics.median(t) for t in rounds) / 2)
-        fastest = min(range(len(leaders)), key=lambda i: medians[i])
-        tied = [i for i in range(len(leaders)) if medians[i] <= medians[fastest] * (1 + noise)]
-        won = min(tied, key=lambda i: (leaders[i].rank, medians[i]))
-        winner = leaders[won]
-        reason = "fastest" if won == fastest else (
-            f"within {noise:.0%} noise of {leaders[fastest].impl} {leaders[fastest].config}: the simpler one wins")
+        current.sort(key=lambda c: c[1].median)
+        best = current[0][1]
+        close = sum(1 for _, r in current if r.median <= LEADER_WINDOW * best.median or not beats(best, r))
+        leaders = [cand for cand, _ in current[:min(MAX_LEADERS, max(2, close))]]
+        if len(leaders) == 1:
+            won, timings, reason = 0, [best], "the only timed candidate"
+        else:
+            runs = [self._run(op, problem, inputs, cand) for cand in leaders]
+            for _ in range(DECIDE_PASSES):
+                timings = self._time(runs)
+                won, reason, separated = verdict(leaders, timings)
+                if separated:
+                    break
+        winner, timing = leaders[won], timings[won]
         decision = st.Decision(op.name, problem.key, dtypes, self.info.key, versions, repr(problem.specialization()),
-                               tuple(problem.sizes), winner.impl, st.canonical(winner.config), medians[won], reason)
+                               tuple(problem.sizes), winner.impl, st.canonical(winner.config), timing.median, reason,
+                               iqr=timing.iqr, threads=self.threads)
         self.store.decide(decision)
         summary.decided += 1
         return decision

@@ -139,12 +139,15 @@ def rms_norm_bf16(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float) -
 
 
 def gate_logits(
-    hidden: torch.Tensor, gate_weight: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6
+    hidden: torch.Tensor, gate_weight: torch.Tensor, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+    absolute: bool = False,
 ) -> torch.Tensor:
-    """Router logits in fp32: RMSNorm(h) @ W^T (h [T, D] bf16, W [E, D] bf16)."""
+    """Router logits in fp32: RMSNorm(h) @ W^T (h [T, D] bf16, W [E, D] bf16); absolute=True gives
+    |RMSNorm(h)| @ |W|^T, the scale of each logit's rounding error."""
     if norm_weight is not None:
         hidden = rms_norm_bf16(hidden, norm_weight, norm_eps)
-    return hidden.float() @ gate_weight.float().t()
+    hidden, gate_weight = hidden.float(), gate_weight.float()
+    return hidden.abs() @ gate_weight.abs().t() if absolute else hidden @ gate_weight.t()
 
 
 def moe_route_gate(
