@@ -16,6 +16,8 @@ import argparse
 import json
 
 import torch
+from rich.console import Console
+from rich.progress import track
 
 from flashkern import registry
 from flashkern.autotune.timing import measure
@@ -82,8 +84,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = [r for n in args.contexts.split(",") for r in
-            context_row(int(n), args.rows, args.backends.split(","), args.budget, device)]
+    contexts = track(args.contexts.split(","), description="contexts", console=Console(stderr=True), transient=True)
+    rows = [r for n in contexts for r in context_row(int(n), args.rows, args.backends.split(","), args.budget, device)]
     print("| context | backend | dense pairs | sparse pairs | work ratio | dense (logits + top-k) | sparse | time ratio "
           "| candidate layer | dense GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -16,6 +16,8 @@ Run: python benchmarks/mhc_bandwidth.py [--ops mhc_pre,mhc_post,mhc_post_pre] [-
 import argparse
 
 import torch
+from rich.console import Console
+from rich.progress import track
 
 from flashkern import device as devices
 from flashkern.autotune.timing import measure
@@ -52,18 +54,17 @@ def main() -> None:
     print(f"{devices.info(device).describe()}: copy bandwidth {peak / 1e9:.1f} GB/s\n")
     print("| op | D | T | backend | time | bytes/token | GB/s | of copy bandwidth |")
     print("|---|---|---|---|---|---|---|---|")
-    hidden = [int(d) for d in args.hidden.split(",")]
-    for op_name in args.ops.split(","):
-        for d in hidden:
-            for t in (int(t) for t in args.tokens.split(",")):
-                backends = args.backends.split(",") if t <= args.kernel_tokens else ()
-                for row in bench([op_name], lambda op: (problems(op_name, d, t),), device, args.budget, backends):
-                    if row.timing is None:
-                        if row.status != "not asked for":
-                            print(f"| {op_name} | {d} | {t} | {row.backend} | {row.status} | | | |")
-                        continue
-                    print(f"| {op_name} | {d} | {t} | {row.backend} | {row.timing.median * 1e3:.3f} ms | "
-                          f"{row.bytes / t / 1e3:.1f} KB | {row.gbps:.2f} | {row.gbps * 1e9 / peak:.1%} |")
+    grid = [(op_name, int(d), int(t)) for op_name in args.ops.split(",") for d in args.hidden.split(",")
+            for t in args.tokens.split(",")]
+    for op_name, d, t in track(grid, description="mhc shapes", console=Console(stderr=True), transient=True):
+        backends = args.backends.split(",") if t <= args.kernel_tokens else ()
+        for row in bench([op_name], lambda op: (problems(op_name, d, t),), device, args.budget, backends):
+            if row.timing is None:
+                if row.status != "not asked for":
+                    print(f"| {op_name} | {d} | {t} | {row.backend} | {row.status} | | | |", flush=True)
+                continue
+            print(f"| {op_name} | {d} | {t} | {row.backend} | {row.timing.median * 1e3:.3f} ms | "
+                  f"{row.bytes / t / 1e3:.1f} KB | {row.gbps:.2f} | {row.gbps * 1e9 / peak:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -255,23 +255,36 @@ def _census_text(census) -> str:
     return ", ".join(parts + ([f"{atomics} atom"] if atomics else []))
 
 
-def _model_markdown(rows, device, args) -> str:
-    """The default configs' predictions as a Markdown table, headed by the command that made it."""
-    command = " ".join(["flashkern model", *args.ops, "--preset", args.preset, "--device", args.device,
-                        "--markdown", args.markdown] + (["--json", args.json] if args.json else []))
-    lines = [f"Predicted by a model of the {device.name}, not measured (`{command}`; flashkern.model).", "",
-             "| operator | impl | shape | model µs | roof µs | roofline | bytes / minimum | CTAs | census |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        if not r.default:
+def model_markdown(records: list[dict], command: str) -> str:
+    """A saved model's default configs (Row.record()s) as Markdown: a summary per kernel, then a row per shape."""
+    from flashkern.kernels.build import Census
+
+    defaults = [r for r in records if r["default"]]
+    device = next((r["device"] for r in defaults if "device" in r), "GPU")
+    lines = [f"Predicted by a model of the {device}, not measured (`{command}`; flashkern.model).", "",
+             "| operator | impl | shapes | roofline fraction | model µs | bytes / minimum | census |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for op, impl in dict.fromkeys((r["op"], r["impl"]) for r in defaults):
+        found = [r for r in defaults if (r["op"], r["impl"]) == (op, impl) and "model_seconds" in r]
+        if not found:
+            lines.append(f"| {op} | {impl} | 0 | not modelled | | | |")
             continue
-        p = r.prediction
-        if p is None:
-            lines.append(f"| {r.op} | {r.impl} | {r.problem.key} | not modelled: {r.error[:60]} | | | | | |")
+        fractions, times = [r["roofline_fraction"] for r in found], [r["model_seconds"] * 1e6 for r in found]
+        census = Census.total(Census(**s["census"]) for s in found[-1]["stages"])
+        lines.append(f"| {op} | {impl} | {len(found)} | {min(fractions):.0%} - {max(fractions):.0%} | "
+                     f"{min(times):.1f} - {max(times):.1f} | {max(r['traffic_ratio'] for r in found):.2f} max | "
+                     f"{_census_text(census)} |")
+    lines += ["", "Per shape:", "",
+              "| operator | impl | shape | model µs | roof µs | roofline | bytes / minimum | CTAs | census |",
+              "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in defaults:
+        if "model_seconds" not in r:
+            lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | not modelled: {r['error'][:60]} | | | | | |")
             continue
-        lines.append(f"| {r.op} | {r.impl} | {r.problem.key} | {p.seconds * 1e6:.1f} | {p.roof_seconds * 1e6:.1f} | "
-                     f"{p.roofline_fraction:.0%} | {p.traffic_ratio:.2f} | "
-                     f"{'+'.join(str(s.traffic.ctas) for s in p.stages)} | {_census_text(p.census)} |")
+        census = Census.total(Census(**s["census"]) for s in r["stages"])
+        lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | {r['model_seconds'] * 1e6:.1f} | "
+                     f"{r['roof_seconds'] * 1e6:.1f} | {r['roofline_fraction']:.0%} | {r['traffic_ratio']:.2f} | "
+                     f"{'+'.join(str(s['ctas']) for s in r['stages'])} | {_census_text(census)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -309,12 +322,15 @@ def cmd_model(args) -> int:
                   f"of the peak of the arithmetic built)) / fill + {model.LAUNCH_SECONDS * 1e6:.0f} us per launch; roof = one "
                   f"launch + the operator's bytes at HBM peak or flops at its arithmetic's peak; "
                   f"device figures: {device.sources}")
+    records = [r.record() for r in rows]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.record() for r in rows], f, indent=1)
+            json.dump(records, f, indent=1)
     if args.markdown:
+        command = " ".join(["flashkern model", *args.ops, "--preset", args.preset, "--device", args.device,
+                            "--markdown", args.markdown] + (["--json", args.json] if args.json else []))
         with open(args.markdown, "w") as f:
-            f.write(_model_markdown(rows, device, args))
+            f.write(model_markdown(records, command))
     return 0 if all(r.prediction for r in rows) else 1
 
 

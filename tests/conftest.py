@@ -1,4 +1,5 @@
-"""Hypothesis profiles: `ci` (fast, the default), `thorough` (local runs), `gpu` (scripts/gpu_check.sh).
+"""Hypothesis profiles: `ci` (fast, the default), `thorough` (local runs), `deep` (exhaustive sweeps: hundreds of
+examples from a random seed, run now and then), `gpu` (scripts/gpu_check.sh).
 
 Select with FLASHKERN_HYPOTHESIS_PROFILE=thorough (or pytest --hypothesis-profile=thorough).
 The suite runs in checked mode (index values checked on every call; flashkern.checks) unless
@@ -22,6 +23,13 @@ settings.register_profile(
 settings.register_profile(
     "thorough",
     max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(  # FLASHKERN_HYPOTHESIS_PROFILE=deep python -m pytest -n auto tests/test_<family>.py
+    "deep",
+    max_examples=600,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
