@@ -12,12 +12,13 @@ L2 between calls, so candidates would not all be timed alike.
 
 Threads: torch's intra-op thread count is set to `threads` while timing and restored after.
 The CPU default is 1: TileLang's C target runs on one thread, so one thread compares like with
-like, and it is the count that holds next to a busy neighbour. Measured on the 2-core CI
-machine with other jobs running (moe_route_gate T=1 E=384 reference): 1.0 ms at 1 thread and
-24 ms at 2 threads; with one busy process per core, torch at 2 threads took 8 ms per call for
-work of 0.1 ms at 1 thread (every shape of sinkhorn, mhc and moe_route: stalls of a scheduler
-time slice) and up to 295 ms for 12 ms of work. On CUDA the default is torch's count (the host
-only launches).
+like, and it is the count that holds on a shared machine. Measured on the 2-core dev VM (median
+per call of the reference; other jobs running, then also one busy process per core):
+    moe_route T=1 E=384         1 thread 0.10 / 0.24 ms    2 threads   7.6 /  16 ms
+    moe_route T=256 E=384       1 thread  7.1 /   14 ms    2 threads   108 / 217 ms
+    mqa_logits rows=5 keys=300  1 thread 0.54 / 0.71 ms    2 threads    48 /  92 ms
+(at 2 threads a call seems to wait for its descheduled second worker, a scheduler time slice at a
+time). On CUDA the default is torch's count (the host only launches).
 
 The figures (all from torch's Measurement of the samples): the median, the one to quote; the IQR
 (75th minus 25th percentile), the spread; the fastest and slowest samples; the calls timed.
@@ -57,13 +58,17 @@ def default_threads(device) -> int:
 def summarize(samples, reps: int, threads: int) -> Timing:
     """The Timing of per-call samples (seconds)."""
     samples = tuple(samples)
-    stats = Measurement(number_per_run=1, raw_times=list(samples), task_spec=TaskSpec("fn()", "pass", num_threads=threads))
+    stats = Measurement(number_per_run=1, raw_times=list(samples),
+                        task_spec=TaskSpec("fn()", "pass", num_threads=threads))
     return Timing(stats.median, min(samples), max(samples), reps, stats.iqr, threads, samples)
 
 
 def pooled(timings) -> Timing:
     """One Timing of the samples of several measurements of one call at one thread count."""
     return summarize([s for t in timings for s in t.samples], sum(t.reps for t in timings), timings[0].threads)
+
+
+MIN_BLOCKS = 5  # CPU samples (blocks of calls) per measurement, however long the first ones took
 
 
 def measure(fn, device, *, budget: float = 1.0, threads: int | None = None) -> Timing:
@@ -76,8 +81,12 @@ def measure(fn, device, *, budget: float = 1.0, threads: int | None = None) -> T
         with set_torch_threads(threads):
             samples = [ms / 1e3 for ms in do_bench(fn, rep=budget * 1e3, return_mode="all")]
         return summarize(samples, len(samples), threads)
-    blocks = Timer("fn()", globals={"fn": fn}, num_threads=threads).blocked_autorange(min_run_time=budget)
-    return summarize(blocks.times, blocks.number_per_run * len(blocks.raw_times), threads)
+    timer = Timer("fn()", globals={"fn": fn}, num_threads=threads)
+    blocks = timer.blocked_autorange(min_run_time=budget)
+    times = list(blocks.times)
+    while len(times) < MIN_BLOCKS:  # a slow spell can fill the budget with one block: no spread to see
+        times += timer.timeit(blocks.number_per_run).times
+    return summarize(times, blocks.number_per_run * len(times), threads)
 
 
 def beats(fast, slow) -> bool:

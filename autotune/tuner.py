@@ -16,21 +16,23 @@ For one operator and a list of problems, on one device:
      (failures are stored with their reason), then time the correct ones together (a timing
      pass, below) and store each with its median, IQR and thread count.
   5. decide: the leaders (by stored median: the fastest, the runner-up, and any other within 25%
-     of the fastest or not beaten by it beyond the spread; at most 4) are timed again in a fresh
-     pass. The fastest wins when it beats every other leader beyond the spread; otherwise the
+     of the fastest or not beaten by it beyond the spread; at most 4) are timed again together,
+     in ROUNDS fresh interleaved rounds (their stored figures may come from other passes or
+     runs). The fastest wins when it beats every other leader beyond the spread; otherwise the
      leaders are timed once more, and if still not separated the simplest of the fastest and
      those it does not beat wins (the reference, then a default config, then the faster), with a
-     reason starting "within noise". The decision is stored with the versions of every candidate.
+     reason starting "within noise". The decision is stored with the winner's median and IQR
+     from that re-time, the thread count, and the versions of every candidate.
 
-A timing pass (`Tuner._time`) runs ROUNDS interleaved rounds: each round times every candidate
-once for budget / ROUNDS seconds (flashkern.autotune.timing.measure, at the tuner's fixed torch
-thread count), starting one candidate further along each round, so a slow spell of the machine
-falls on all candidates alike rather than on one. A candidate's figure pools the samples of its
-rounds. An outlier (IQR over OUTLIER_SPREAD of the median, or round medians spread over
-ROUND_DISAGREEMENT of it) is measured again, in rounds with the other outliers, up to
-REMEASURES times; the steadiest pass is kept (a non-outlier first, then the smallest relative
-IQR). "Beyond the spread" is flashkern.autotune.timing.beats: the runner-up's median exceeds the
-winner's by more than half of each IQR plus 3% of the winner's median.
+A timing pass (`Tuner._time`, step 4) runs ROUNDS interleaved rounds: each round times every
+candidate once for budget / ROUNDS seconds (flashkern.autotune.timing.measure, at the tuner's
+fixed torch thread count), starting one candidate further along each round, so a slow spell of
+the machine falls on all candidates alike rather than on one. A candidate's figure pools the
+samples of its rounds. An outlier (IQR over OUTLIER_SPREAD of the median, or round medians
+spread over ROUND_DISAGREEMENT of it) is measured again, in rounds with the other outliers, up
+to REMEASURES time(s); the steadiest pass is kept (a non-outlier first, then the smallest
+relative IQR). "Beyond the spread" is flashkern.autotune.timing.beats: the runner-up's median
+exceeds the winner's by more than half of each IQR plus 3% of the winner's median.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from flashkern.autotune.timing import Timing, beats, default_threads, measure, p
 ROUNDS = 5  # interleaved rounds per timing pass
 OUTLIER_SPREAD = 0.25  # an IQR over 25% of the median: timed through a noisy spell
 ROUND_DISAGREEMENT = 0.5  # round medians spread over 50% of the median: a slow spell hit some rounds
-REMEASURES = 2  # more passes for outliers
+REMEASURES = 1  # more passes for outliers
 LEADER_WINDOW = 1.25  # leaders: within 25% of the best stored median (or not beaten by it beyond the spread)
 MAX_LEADERS = 4
 DECIDE_PASSES = 2  # timing passes of the leaders before a decision is taken within noise
@@ -112,9 +114,9 @@ def verdict(leaders: list[Candidate], timings: list[Timing]) -> tuple[int, str, 
         return fastest, (f"fastest: {slow.median / fast.median:.2f}x faster than {leaders[runner_up]}, beyond the "
                          f"spread (IQR {fast.spread:.0%} and {slow.spread:.0%} of the medians)"), True
     won = min([fastest] + rivals, key=lambda i: (leaders[i].rank, timings[i].median))
-    tied = ", ".join(f"{leaders[i]} {timings[i].median * 1e6:.4g} us ± {timings[i].iqr * 5e5:.2g}"
+    tied = ", ".join(f"{leaders[i]} {timings[i].median * 1e6:.4g} us (IQR {timings[i].iqr * 1e6:.3g})"
                      for i in [fastest] + rivals)
-    return won, f"within noise ({tied}): the simplest wins", False
+    return won, f"within noise: {tied}; the simplest wins", False
 
 
 def _key(op, problem, candidate: Candidate, dtypes: str, device_key: str) -> st.Key:
@@ -205,14 +207,16 @@ class Tuner:
             expected = op.reference(**inputs)
             to_time = []
             for cand, key in todo:
-                rejected = None if key in failed else self._check(op, problem, inputs, expected, cand, key)
-                if rejected is None and key not in failed:
-                    to_time.append((cand, key))
+                if key in failed:  # stored by _build_all
+                    self._report(advance=1)
                     continue
-                if rejected is not None:
+                rejected = self._check(op, problem, inputs, expected, cand, key)
+                if rejected is None:
+                    to_time.append((cand, key))
+                else:
                     self.store.put(rejected)
                     summary.measured += 1
-                self._report(advance=1)
+                    self._report(advance=1)
             timings = self._time([self._run(op, problem, inputs, cand) for cand, _ in to_time])
             for (cand, key), timing in zip(to_time, timings):
                 self.store.put(self._result(op, problem, cand, key, st.OK, timing=timing))
@@ -227,8 +231,8 @@ class Tuner:
     def _result(self, op, problem, cand: Candidate, key: st.Key, status: str, reason: str = "", timing=None,
                 report=None) -> st.Result:
         cost = op.cost(problem)
-        figures = {name: getattr(timing, name) for name in ("median", "low", "high", "reps", "iqr", "threads")} \
-            if timing else {}
+        figures = dict(median=timing.median, low=timing.low, high=timing.high, reps=timing.reps, iqr=timing.iqr,
+                       threads=timing.threads) if timing else {}
         return st.Result(
             key=key, spec=repr(problem.specialization()), sizes=tuple(problem.sizes), is_default=cand.is_default,
             bytes=cost.bytes, flops=cost.flops, status=status, reason=reason, **figures,
@@ -321,7 +325,7 @@ class Tuner:
         else:
             runs = [self._run(op, problem, inputs, cand) for cand in leaders]
             for _ in range(DECIDE_PASSES):
-                timings = self._time(runs)
+                timings = [pooled(rounds) for rounds in self._rounds(runs)]
                 won, reason, separated = verdict(leaders, timings)
                 if separated:
                     break

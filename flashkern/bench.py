@@ -2,8 +2,11 @@
 
 Every implementation's output is checked against the reference before it is timed (a call of
 its entry point in checked mode, so the inputs' index values are checked too), and the
-bytes the operator must move (its cost model) turn times into GB/s. Interpreted Triton is
-timed too, but it is a correctness path, not a speed contender.
+bytes the operator must move (its cost model) turn times into GB/s. Interpreted Triton (CPU) is
+checked, not timed, unless asked: it is a correctness path, not a speed contender. Timing is the tuner's
+(flashkern.autotune.timing.measure: torch's Timer on CPU, triton's do_bench on CUDA, at a fixed
+torch thread count, 1 on CPU): each row's Timing has the median, its IQR (the spread) and the
+thread count.
 """
 
 from __future__ import annotations
@@ -32,36 +35,48 @@ class BenchRow:
         return self.bytes / self.timing.median / 1e9 if self.timing else None
 
 
-def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5, backends=None):
+def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5, backends=None,
+          threads: int | None = None, time_interpreted: bool = False, on_row=None):
     """Rows for every (problem, backend) of each operator; problems_of(op) gives its problems,
-    backends (default: all) limits which are timed."""
+    backends (default: all) limits which are timed, threads is torch's thread count while timing
+    (default flashkern.autotune.timing.default_threads: 1 on CPU). Interpreted Triton is checked, not timed
+    (status "checked"), unless time_interpreted. on_row(row) follows progress."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     info = devices.info(device)
     rows = []
+
+    def add(row: BenchRow) -> None:
+        rows.append(row)
+        if on_row:
+            on_row(row)
+
     for name in op_names:
         op = registry.get(name)
         for problem in problems_of(op):
             moved = op.cost(problem).bytes
             inputs = op.make_inputs(problem, device, seed=0)
             expected = op.reference(**inputs)
-            rows.append(BenchRow(name, problem, "reference", measure(lambda: op.reference(**inputs), device, budget=budget),
-                          moved, "reference"))
+            timing = measure(lambda: op.reference(**inputs), device, budget=budget, threads=threads)
+            add(BenchRow(name, problem, "reference", timing, moved, "reference"))
             for impl in op.implementations:
                 if backends is not None and impl.name not in backends:
-                    rows.append(BenchRow(name, problem, impl.name, None, moved, "not asked for"))
+                    add(BenchRow(name, problem, impl.name, None, moved, "not asked for"))
                     continue
                 reason = impl.unavailable(info)
                 if reason:
-                    rows.append(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
+                    add(BenchRow(name, problem, impl.name, None, moved, f"unavailable: {reason}"))
                     continue
                 config = impl.default_config(problem)
                 try:  # through the entry point: argument and (checked mode) value checks on the inputs
                     with checks.checked():
                         op.compare(inputs, expected, op.entry(**inputs, backend=impl.name, config=config))
                 except AssertionError as exc:
-                    rows.append(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
+                    add(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
+                    continue
+                if impl.name == "triton" and device.type == "cpu" and not time_interpreted:
+                    add(BenchRow(name, problem, impl.name, None, moved, "checked"))
                     continue
                 out = op.empty_outputs(problem, inputs)
-                timing = measure(lambda: impl.run(problem, inputs, config, out), device, budget=budget)
-                rows.append(BenchRow(name, problem, impl.name, timing, moved, "ok"))
+                timing = measure(lambda: impl.run(problem, inputs, config, out), device, budget=budget, threads=threads)
+                add(BenchRow(name, problem, impl.name, timing, moved, "ok"))
     return rows

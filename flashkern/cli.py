@@ -125,10 +125,16 @@ def cmd_bench(args) -> int:
     records = model.current_records()
     info = devices.info(args.device)
     backends = args.backends.split(",") if args.backends else None
-    console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs (GB/s of the bytes "
-                  "the operator must move); * = Triton interpreter, a correctness path")
-    with console.status("timing..."):
-        rows = bench(names, lambda op: _problems(op, args), args.device, budget=args.budget, backends=backends)
+    console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs ± IQR / median (GB/s of "
+                  "the bytes the operator must move); interpreted Triton (CPU) is checked, not timed, unless "
+                  "--time-interpreted (then marked *)")
+    total = sum(len(_problems(registry.get(name), args)) * len(registry.get(name).backends) for name in names)
+    with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("bench", total=total)
+        rows = bench(names, lambda op: _problems(op, args), args.device, budget=args.budget, backends=backends,
+                     threads=args.threads, time_interpreted=args.time_interpreted,
+                     on_row=lambda row: progress.advance(task))
     failed = False
     for name in names:
         op = registry.get(name)
@@ -147,10 +153,11 @@ def cmd_bench(args) -> int:
                 r = cells[backend]
                 if r.timing is None:
                     failed |= r.status.startswith("MISMATCH")
-                    row.append(f"[red]{r.status}[/red]" if r.status.startswith("MISMATCH") else "—")
+                    row.append(f"[red]{r.status}[/red]" if r.status.startswith("MISMATCH") else
+                               "checked" if r.status == "checked" else "—")
                     continue
                 star = "*" if backend == "triton" and info.kind == "cpu" else ""
-                row.append(f"{_us(r.timing.median)}{star} ({r.gbps:.2f})")
+                row.append(f"{_us(r.timing.median)}{star} ±{r.timing.spread:.0%} ({r.gbps:.2f})")
                 if not star:  # interpreted Triton is a correctness path, never the fastest
                     timed[backend] = r.timing.median
             row.append(_fastest(timed))
@@ -160,7 +167,8 @@ def cmd_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(op=r.op, shape=r.problem.key, backend=r.backend, status=r.status, bytes=r.bytes,
-                            median_s=r.timing.median if r.timing else None,
+                            median_s=r.timing.median if r.timing else None, iqr_s=r.timing.iqr if r.timing else None,
+                            threads=r.timing.threads if r.timing else None,
                             min_s=r.timing.low if r.timing else None, max_s=r.timing.high if r.timing else None,
                             reps=r.timing.reps if r.timing else None) for r in rows], f, indent=1)
     return 1 if failed else 0
@@ -382,7 +390,7 @@ def cmd_tune(args) -> int:
             progress.update(task, total=total, advance=advance, description=description or None)
 
         tuner = Tuner(store, args.device, budget=args.budget, max_configs=args.max_configs, workers=args.jobs,
-                      seed=args.seed, progress=report)
+                      seed=args.seed, progress=report, threads=args.threads)
         summary = tuner.tune(op.name, problems)
         console.print(f"store {store.path}: {summary.measured} new results, {summary.reused} reused, "
                       f"{summary.built} builds, {summary.decided} new decisions")
@@ -433,7 +441,7 @@ def cmd_report(args) -> int:
         console.print(f"no current results for {op.name} on {info.describe()}: run `flashkern tune {op.name}` first")
         return 1
     bandwidth = info.mem_bandwidth
-    table = Table(title=f"{op.name} on {info.describe()}: best config per backend, µs per call"
+    table = Table(title=f"{op.name} on {info.describe()}: best config per backend, median µs per call ± IQR / median"
                   + (f" (% of the {bandwidth / 1e9:.0f} GB/s memory roofline)" if bandwidth else ""),
                   title_justify="left")
     table.add_column("shape")
@@ -448,7 +456,8 @@ def cmd_report(args) -> int:
         for backend in op.backends:
             r = row.best.get(backend)
             roof = f" ({row.bytes / r.median / bandwidth:.0%})" if r and bandwidth else ""
-            cells.append(f"{_us(r.median)}{roof}" if r else "—")
+            spread = f" ±{r.iqr / r.median:.0%}" if r and r.iqr is not None else ""
+            cells.append(f"{_us(r.median)}{spread}{roof}" if r else "—")
         ref, kernels = row.best.get("reference"), [r for b, r in row.best.items() if b != "reference"]
         best = min(kernels, key=lambda r: r.median) if kernels else None
         speedup = f"{best.key.impl} {ref.median / best.median:.2f}x" if best and ref else "—"
@@ -504,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
                    "multi-dimensional as 64x128)")
     p.add_argument("--backends", default=None, help="kernels to time besides the reference, comma-separated")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per cell (default: 0.3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads while timing (default: 1 on CPU, torch's on CUDA)")
+    p.add_argument("--time-interpreted", action="store_true",
+                   help="time interpreted Triton too (a correctness path on CPU, checked but not timed by default)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(func=cmd_bench)
 
@@ -550,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", type=shape_list, default=None,
                    help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
                    "multi-dimensional as 64x128)")
-    p.add_argument("--budget", type=float, default=0.2, help="seconds of timing per candidate (default: 0.2)")
+    p.add_argument("--budget", type=float, default=0.2,
+                   help="seconds of timing per candidate per pass of rounds (default: 0.2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads while timing, stored with each result (default: 1 on CPU, torch's on CUDA)")
     p.add_argument("--max-configs", type=int, default=24, help="configs per implementation and shape (0: all)")
     p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the config sample")

@@ -58,6 +58,11 @@ def test_a_sweep_stores_every_candidate_and_decides_every_shape(tuned):
     # the interpreter is checked, never timed, never chosen
     assert all(r.status == st.CHECKED and r.median is None for r in results if r.key.impl == "triton")
     assert all(d.impl in ("reference", "tilelang") for d in decisions)
+    # every timing has its spread and thread count (1 on CPU); every decision says how it was taken
+    assert all(r.threads == 1 and r.iqr is not None and r.low <= r.median <= r.high
+               for r in results if r.status == st.OK)
+    assert all(d.threads == 1 and d.iqr is not None and d.reason.startswith(("fastest:", "within noise"))
+               for d in decisions), [d.reason for d in decisions]
     # keys hold device identity and versions, including the kernel source hash
     row = results[0]
     versions = json.loads(row.key.versions)
@@ -168,6 +173,79 @@ def test_export_and_import_json_tables(tuned, tmp_path):
             tables.import_json(store, json.dumps({"format": "other"}))
 
 
+# The tables of a schema-1 store (flashkern before spreads and thread counts were stored), verbatim.
+SCHEMA_1 = """
+CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE results (
+    op TEXT NOT NULL, impl TEXT NOT NULL, config TEXT NOT NULL, shape TEXT NOT NULL, dtypes TEXT NOT NULL,
+    device TEXT NOT NULL, versions TEXT NOT NULL,
+    spec TEXT NOT NULL, sizes TEXT NOT NULL, is_default INTEGER NOT NULL,
+    status TEXT NOT NULL, reason TEXT NOT NULL,
+    median REAL, low REAL, high REAL, reps INTEGER,
+    registers INTEGER, spills INTEGER, smem INTEGER,
+    bytes REAL NOT NULL, flops REAL NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (op, impl, config, shape, dtypes, device, versions)
+);
+CREATE TABLE decisions (
+    op TEXT NOT NULL, shape TEXT NOT NULL, dtypes TEXT NOT NULL, device TEXT NOT NULL, versions TEXT NOT NULL,
+    spec TEXT NOT NULL, sizes TEXT NOT NULL,
+    impl TEXT NOT NULL, config TEXT NOT NULL, median REAL NOT NULL, reason TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (op, shape, dtypes, device, versions)
+);
+INSERT INTO meta VALUES ('schema', '1');
+"""
+
+
+def test_a_schema_1_store_is_upgraded_in_place_and_its_timings_are_not_reused(tmp_path):
+    """Old rows keep every value, with NULL spread and thread count; a tuner times such rows again (their
+    thread count is unknown) and decides their shapes again, and keeps the untimed ones."""
+    db = tmp_path / "old.sqlite3"
+    problem = SHAPES[0]
+    dtypes = identity.dtypes(OP.make_inputs(problem, "cpu"))
+    triton = OP.implementation("triton").default_config(problem)
+    common = (problem.key, dtypes, CPU.key)
+    rows = [("reference", "{}", *common, identity.versions(OP, "reference"), repr(problem.specialization()), "[1]", 1,
+             st.OK, "", 47e-3, 5e-4, 0.1, 7, None, None, None, 1e3, 1e3, 1.0),
+            ("triton", st.canonical(triton), *common, identity.versions(OP, "triton"), repr(problem.specialization()),
+             "[1]", 1, st.CHECKED, "correct; the interpreter is not timed", None, None, None, None, None, None, None,
+             1e3, 1e3, 2.0)]
+    with sqlite3.connect(db) as conn:
+        conn.executescript(SCHEMA_1)
+        conn.executemany(f"INSERT INTO results VALUES ({', '.join('?' * 22)})", [("moe_route", *r) for r in rows])
+        conn.execute("INSERT INTO decisions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     ("moe_route", *common, identity.op_versions(OP), repr(problem.specialization()), "[1]",
+                      "tilelang", '{"block_t":1,"threads":128}', 4.5e-3, "fastest", 3.0))
+    conn.close()
+    with st.Store(db) as store:
+        old = {r.key.impl: r for r in store.results()}
+        [decision] = store.decisions()
+    assert (old["reference"].median, old["reference"].low, old["reference"].high, old["reference"].reps) == \
+        (47e-3, 5e-4, 0.1, 7)
+    assert all(r.iqr is None and r.threads is None for r in old.values()) and old["triton"].status == st.CHECKED
+    assert (decision.impl, decision.median, decision.iqr, decision.threads) == ("tilelang", 4.5e-3, None, None)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT value FROM meta").fetchall() == [(str(st.SCHEMA),)]
+        assert {"iqr", "threads"} <= {c[1] for c in conn.execute("PRAGMA table_info(decisions)")}
+    st.Store(db).close()  # opening an upgraded store changes nothing
+
+    summary = tune(db, problems=[problem], backends=("triton",))  # the reference and checked Triton: no builds
+    assert (summary.measured, summary.reused, summary.decided) == (1, 1, 1)
+    with st.Store(db) as store:
+        new = {r.key.impl: r for r in store.results()}
+        [decision] = store.decisions()
+    assert new["reference"].threads == 1 and new["reference"].iqr is not None and new["reference"].median < 47e-3
+    assert new["triton"] == old["triton"]
+    assert (decision.impl, decision.threads) == ("reference", 1) and decision.iqr is not None
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE meta SET value = ? WHERE name = 'schema'", (str(st.SCHEMA + 1),))
+    conn.close()
+    with pytest.raises(st.StoreError, match="newer than this flashkern reads"):
+        st.Store(db)
+
+
 # ---------------------------------------------------------------- robustness, with real processes
 
 
@@ -184,7 +262,7 @@ def _rows(db) -> list[tuple]:
 
 def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
     db = tmp_path / "t.sqlite3"
-    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.3")
+    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.1")
     proc = _cli(*args, db=db)
     deadline = time.time() + 300
     while time.time() < deadline and (not db.exists() or len(_rows(db)) < 4):

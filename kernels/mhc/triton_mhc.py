@@ -448,6 +448,8 @@ def pre_default(problem) -> dict:
             config["block_d"] //= 2
         else:
             config["block_t"] //= 2
+    if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
+        config["block_d"] = min(config["block_d"], 16)
     tiles = triton.cdiv(max(1, problem.tokens), block_t)
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):

@@ -170,7 +170,8 @@ def check_routing_result(logits: torch.Tensor, inputs: dict, weights: torch.Tens
     b = ref.selection_keys(s, bias).double()
     def near(lo, hi, keys=1):
         """lo >= hi up to key_tol, and up to the keys' possible error (sums of `keys` keys: group scores)."""
-        return (lo >= hi) | (lo >= hi - key_tol * (1 + hi.abs()) - 2 * keys * score_error)
+        slack = 2 * keys * (score_error if lo.dim() == 2 else score_error[:, 0])  # per row
+        return (lo >= hi) | (lo >= hi - key_tol * (1 + hi.abs()) - slack)
 
     must_keep = torch.ones(rows, experts, dtype=torch.bool)
     used = torch.ones(rows, 1, dtype=torch.bool)
