@@ -262,7 +262,8 @@ def _rows(db) -> list[tuple]:
 
 def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
     db = tmp_path / "t.sqlite3"
-    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.1")
+    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.1", "--max-configs", "3")  # what resumes, not
+    # how many configs: each TileLang config is a C compile
     proc = _cli(*args, db=db)
     deadline = time.time() + 300
     while time.time() < deadline and (not db.exists() or len(_rows(db)) < 4):
@@ -285,8 +286,8 @@ def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
 
 def test_two_tuners_on_one_store_both_keep_every_result(tmp_path):
     db = tmp_path / "t.sqlite3"
-    first = _cli("tune", "moe_route", "--shapes", "1,37", "--budget", "0.05", db=db)
-    second = _cli("tune", "moe_route", "--shapes", "5,99", "--budget", "0.05", db=db)
+    first = _cli("tune", "moe_route", "--shapes", "1,37", "--budget", "0.05", "--max-configs", "3", db=db)
+    second = _cli("tune", "moe_route", "--shapes", "5,99", "--budget", "0.05", "--max-configs", "3", db=db)
     outs = [p.communicate(timeout=600)[0] for p in (first, second)]
     assert first.returncode == 0 and second.returncode == 0, outs
     with st.Store(db) as store:
