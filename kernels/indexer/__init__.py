@@ -22,9 +22,9 @@ from flashkern import checks
 from flashkern.dispatch import call
 from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
-from flashkern.kernels.indexer import tilelang_logits, tilelang_topk, triton_logits, triton_topk
+from flashkern.kernels.indexer import cases, tilelang_logits, tilelang_topk, triton_logits, triton_topk
 from flashkern.kernels.indexer.problem import (V41_INDEXER, CandidateProblem, Indexer, LogitsProblem,
-                                               PagedProblem, SparseProblem, TopkProblem)
+                                               PagedProblem, SparseProblem, TopkProblem, causal_ends)
 from flashkern.reference import indexer as ref
 from flashkern.registry import Cost, Implementation, Operator
 
@@ -263,11 +263,6 @@ def _queries_keys(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen: torch.Gen
         return dict(q=q8, k=k8, k_scale=k_scale, q_scale=None), w * q_fold
     (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
     return dict(q=qp, k=kp, k_scale=k_scale, q_scale=q_scale), w
-
-
-def causal_ends(rows: int, keys: int) -> torch.Tensor:
-    """ke of a causal prefill chunk: the M rows are the last M positions of the N keys."""
-    return (torch.arange(rows) + keys - rows + 1).clamp(0, keys).int()
 
 
 def _to(inputs: dict, device) -> dict:
@@ -669,14 +664,6 @@ def sparse_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, w: Tensor, ks: Tens
     return call(SPARSE_MQA_LOGITS, locals())
 
 
-def _cases():
-    """The family's input strategies (cases.py), imported on first use: cases.py imports from this module, so a
-    top-level import would be circular (and hypothesis stays out of the entry points' import)."""
-    from flashkern.kernels.indexer import cases
-
-    return cases
-
-
 MQA_LOGITS = Operator(
     name="mqa_logits",
     summary="indexer logits, dense ragged (FP8 or MXFP4 keys)",
@@ -693,7 +680,7 @@ MQA_LOGITS = Operator(
     check_values=_ragged_values,
     prepare=kernel_views,
     make_inputs=make_logits_inputs,
-    cases=lambda: _cases().logits_cases(),
+    cases=cases.logits_cases,
     compare=compare_logits,
     cost=logits_cost,
     presets=LOGITS_PRESETS,
@@ -715,7 +702,7 @@ PAGED_MQA_LOGITS = Operator(
     check_values=_paged_values,
     prepare=kernel_views,
     make_inputs=make_paged_inputs,
-    cases=lambda: _cases().paged_cases(),
+    cases=cases.paged_cases,
     compare=compare_logits,
     cost=paged_cost,
     presets=PAGED_PRESETS,
@@ -735,7 +722,7 @@ TOPK_INDICES = Operator(
     outputs=topk_outputs,
     check_values=_topk_values,
     make_inputs=make_topk_inputs,
-    cases=lambda: _cases().topk_cases(),
+    cases=cases.topk_cases,
     compare=compare_topk,
     cost=topk_cost,
     presets=TOPK_PRESETS,
@@ -756,7 +743,7 @@ CANDIDATE_BLOCKS = Operator(
     outputs=candidate_outputs,
     check_values=_candidate_values,
     make_inputs=make_candidate_inputs,
-    cases=lambda: _cases().candidate_cases(),
+    cases=cases.candidate_cases,
     compare=compare_candidates,
     cost=candidates_cost,
     presets=CANDIDATE_PRESETS,
@@ -778,7 +765,7 @@ SPARSE_MQA_LOGITS = Operator(
     check_values=_sparse_values,
     prepare=kernel_views,
     make_inputs=make_sparse_inputs,
-    cases=lambda: _cases().sparse_cases(),
+    cases=cases.sparse_cases,
     compare=compare_sparse,
     cost=sparse_cost,
     presets=SPARSE_PRESETS,

@@ -25,7 +25,7 @@ import torch
 from hypothesis import note
 from hypothesis import strategies as st
 
-from flashkern.kernels.indexer import Indexer, causal_ends
+from flashkern.kernels.indexer.problem import Indexer, causal_ends
 from flashkern.reference import indexer as ref
 
 # Drawn indexer shapes: the model's, and a small one (each is a compiled specialization per kernel).

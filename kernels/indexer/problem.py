@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from flashkern.registry import SizedProblem
 
 
@@ -110,3 +112,8 @@ class SparseProblem(SizedProblem):
     def candidates(self) -> int:
         """Candidate positions per row: n_blocks * block."""
         return self.n_blocks * self.block
+
+
+def causal_ends(rows: int, keys: int) -> torch.Tensor:
+    """ke of a causal prefill chunk: the M rows are the last M positions of the N keys."""
+    return (torch.arange(rows) + keys - rows + 1).clamp(0, keys).int()
