@@ -172,3 +172,25 @@ def test_saved_predictions_are_shown_only_while_the_kernel_is_the_one_modelled(t
     assert main(["bench", "sinkhorn", "--budget", "0.01"]) == 0
     out = capsys.readouterr().out
     assert "triton 4.2 (71%)" in out and "tilelang 4.2" not in out
+
+
+VERSIONS = """
+import json, sys
+from flashkern import registry
+from flashkern.autotune import identity
+if sys.argv[1] == "busy":  # what a process that ran the model and the checks has imported besides
+    import flashkern.check, flashkern.cli, flashkern.model
+    op = registry.get("sinkhorn")
+    problem = op.presets["smoke"][0]
+    inputs = op.make_inputs(problem, "cpu", 0)
+    impl = op.implementation("triton")
+    impl.traffic(problem, inputs, impl.default_config(problem), op.empty_outputs(problem, inputs))
+print(json.dumps({name: identity.source_versions(op) for name, op in registry.operators().items()}))
+"""
+
+
+def test_kernel_source_versions_do_not_depend_on_what_a_process_imported():
+    """A saved model (and a tuning result) stays current in a process that never ran the model."""
+    found = [subprocess.run([sys.executable, "-c", VERSIONS, mode], capture_output=True, text=True, check=True)
+             .stdout.strip().splitlines()[-1] for mode in ("bare", "busy")]
+    assert found[0] == found[1]
