@@ -139,7 +139,7 @@ def cmd_bench(args) -> int:
     for name in names:
         op = registry.get(name)
         table = Table(title=name, title_justify="left")
-        table.add_column("shape")
+        table.add_column("shape", no_wrap=True, min_width=max(len(p.key) for p in _problems(op, args)))
         table.add_column("moves", justify="right")
         for backend in op.backends:
             table.add_column(backend, justify="right")
@@ -444,7 +444,7 @@ def cmd_report(args) -> int:
     table = Table(title=f"{op.name} on {info.describe()}: best config per backend, median µs per call ± IQR / median"
                   + (f" (% of the {bandwidth / 1e9:.0f} GB/s memory roofline)" if bandwidth else ""),
                   title_justify="left")
-    table.add_column("shape")
+    table.add_column("shape", no_wrap=True, min_width=max(len(row.shape) for row in shape_rows))  # copyable keys
     table.add_column("moves", justify="right")
     for backend in op.backends:
         table.add_column(backend, justify="right")
