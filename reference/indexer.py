@@ -67,22 +67,13 @@ from __future__ import annotations
 
 import torch
 
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of e2m1 codes 0..7; bit 3 is the sign
-E4M3_MAX = 448.0
+from flashkern.reference.formats import (E2M1_GRID, E4M3_MAX, FP4_ROUNDING, UE8M0_BIAS, UE8M0_NAN,  # noqa: F401
+                                         e2m1_decode, e2m1_encode, ue8m0_ceil, ue8m0_decode)
+
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
-UE8M0_BIAS = 127
-UE8M0_NAN = 0xFF  # the ue8m0 byte that encodes NaN (OCP MX)
-FP4_ROUNDING = ("even", "down")
 
 
 # ---------------------------------------------------------------- storage formats
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 value of each e2m1 code (0..15)."""
-    grid = torch.tensor(E2M1_GRID, device=codes.device)
-    value = grid[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -value, value)
 
 
 def ue8m0_bytes(scale: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -93,12 +84,6 @@ def ue8m0_bytes(scale: torch.Tensor, blocks: int) -> torch.Tensor:
     if scale.shape[-1] == 1 and scale.stride(-1) != 1:  # a one-word row's stride is arbitrary: make it unit
         scale = scale.as_strided(scale.shape, (*scale.stride()[:-1], 1))
     return scale.view(torch.uint8)[..., :blocks]
-
-
-def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
-    """fp32 value 2^(e - 127) of each ue8m0 byte e (0 is 2^-127; 0xFF is NaN)."""
-    value = torch.exp2(scale.float() - UE8M0_BIAS)
-    return torch.where(scale == UE8M0_NAN, torch.nan, value)
 
 
 def unpack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -119,21 +104,9 @@ def quantize_mxfp4(x: torch.Tensor, rounding: str = "even") -> tuple[torch.Tenso
     with rounding="down" (DeepGEMM's torch encoder: 0.75 -> 0.5, 1.75 -> 1.5, 3.5 -> 3). A negative value that
     rounds to 0 (and -0) keeps its sign (code 8, -0) with "even", as hardware converters; "down" never gives -0.
     """
-    if rounding not in FP4_ROUNDING:
-        raise ValueError(f"rounding must be one of {FP4_ROUNDING}, got {rounding!r}")
     blocks = x.float().unflatten(-1, (-1, MX_BLOCK))
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    bits = (amax / 6.0).contiguous().view(torch.int32)
-    scale_byte = (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()).clamp(max=254)  # DeepGEMM's ceil_to_ue8m0
-    magnitude = (blocks.abs() / ue8m0_decode(scale_byte)).clamp(max=6.0)
-    grid = torch.tensor(E2M1_GRID, device=x.device)
-    midpoints = (grid[1:] + grid[:-1]) / 2
-    code = torch.searchsorted(midpoints, magnitude.contiguous())  # a midpoint itself goes to the lower code
-    if rounding == "even":
-        tie = (code < len(midpoints)) & (magnitude == midpoints[code.clamp(max=len(midpoints) - 1)])
-        code = code + (tie & (code % 2 == 1)).long()  # ... unless that code is odd
-    negative = torch.signbit(blocks) if rounding == "even" else (blocks < 0) & (code > 0)
-    code = (code | torch.where(negative, 8, 0)).to(torch.uint8).flatten(-2)
+    scale_byte = ue8m0_ceil(blocks.abs().amax(dim=-1, keepdim=True) / 6.0)
+    code = e2m1_encode(blocks / ue8m0_decode(scale_byte), rounding).flatten(-2)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed, scale_byte.squeeze(-1).to(torch.uint8)
 
