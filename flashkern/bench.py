@@ -69,7 +69,7 @@ def bench(op_names, problems_of, device: str | None = None, budget: float = 0.5,
                 config = impl.default_config(problem)
                 try:  # through the entry point: argument and (checked mode) value checks on the inputs
                     with checks.checked():
-                        op.compare(inputs, expected, op.entry(**inputs, backend=impl.name, config=config))
+                        op.compare(inputs, expected, op.result_of(inputs, backend=impl.name, config=config))
                 except AssertionError as exc:
                     add(BenchRow(name, problem, impl.name, None, moved, f"MISMATCH: {str(exc).splitlines()[0]}"))
                     continue

@@ -43,7 +43,7 @@ def run(op, backend: str, config: dict | None, examples: int, seed: int, device:
         if on_example:
             on_example()
         try:
-            op.compare(inputs, op.reference(**inputs), op.entry(**inputs, backend=backend, config=config))
+            op.compare(inputs, op.reference(**inputs), op.result_of(inputs, backend=backend, config=config))
         except Exception as exc:  # shrinking replays the smallest failing case last
             last_failure[:] = [Failure(inputs, exc)]
             raise
@@ -83,8 +83,9 @@ def snippet(op, backend: str, config: dict | None, inputs: dict, save_dir: Path)
         path = save_dir / f"flashkern-check-{op.name}-{backend}.pt"
         torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, path)
         lines.append(f"inputs = torch.load({str(path)!r})  # {', '.join(_shape(k, v) for k, v in inputs.items())}")
-    lines.append(f"out = op.entry(**inputs, backend={backend!r}, config={config!r})")
-    lines.append("op.compare(inputs, op.reference(**inputs), out)  # raises as the check did")
+    lines.append("expected = op.reference(**inputs)")
+    lines.append(f"out = op.result_of(inputs, backend={backend!r}, config={config!r})")
+    lines.append("op.compare(inputs, expected, out)  # raises as the check did")
     return "\n".join(lines)
 
 

@@ -283,11 +283,13 @@ def run(op: Operator, inputs: dict, backend: str = "auto", config: dict | None =
 
 
 def call(op: Operator, arguments: dict):
-    """An entry point's call, given its arguments (its `locals()`: the operator's inputs, backend, config, out).
+    """An entry point's call, given its arguments (its `locals()`: the operator's inputs, backend, config, out;
+    an operator that writes an input in place (op.mutates) takes no out and returns None).
     Eager: `run`. Under torch.compile: the custom op torch.ops.flashkern.<name> (flashkern.library), its result
     copied into `out` when one is given."""
-    backend, config, out = arguments.pop("backend"), arguments.pop("config"), arguments.pop("out")
+    backend, config, out = arguments.pop("backend"), arguments.pop("config"), arguments.pop("out", None)
     if torch.compiler.is_compiling():
         result = library.traced_call(op, arguments, backend, config)
         return result if out is None else copy_into(out, result)
-    return run(op, arguments, backend, config, out)
+    result = run(op, arguments, backend, config, out)
+    return None if op.mutates else result

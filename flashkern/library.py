@@ -54,6 +54,8 @@ def _schema_default(default) -> str:
 
 def _result(annotation) -> tuple[str, type | None]:
     """The schema's return and the type to rebuild the result as (a NamedTuple), or None."""
+    if annotation is None:  # an operator that writes one of its inputs in place
+        return "()", None
     if annotation is torch.Tensor:
         return "Tensor", None
     fields = getattr(annotation, "_fields", None) or typing.get_args(annotation)
@@ -77,14 +79,15 @@ def parameters(entry) -> tuple[Parameter, ...]:
     return tuple(found)
 
 
-def schema(entry) -> tuple[str, type | None]:
-    """(schema without the name, result type) from an annotated entry point."""
+def schema(entry, mutates: str | None = None) -> tuple[str, type | None]:
+    """(schema without the name, result type) from an annotated entry point; `mutates` names the tensor parameter
+    it writes in place (Tensor(a!))."""
     parts, keyword_only = [], False
     for param in parameters(entry):
         if param.keyword_only and not keyword_only:
             parts.append("*")
             keyword_only = True
-        text = f"{param.type} {param.name}"
+        text = f"{param.type}{'(a!)' if param.name == mutates else ''} {param.name}"
         if param.default is not inspect.Parameter.empty:
             text += "=" + _schema_default(param.default)
         parts.append(text)
@@ -103,7 +106,7 @@ def register(op) -> None:
     """Define torch.ops.flashkern.<op.name> with CPU, CUDA and fake kernels (once per process)."""
     from flashkern import dispatch
 
-    text, result_type = schema(op.entry)
+    text, result_type = schema(op.entry, op.mutates)
     params = parameters(op.entry)
     names = tuple(p.name for p in params)
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -119,12 +122,14 @@ def register(op) -> None:
 
     def run(*args, **kwargs):
         inputs, backend, config = inputs_of(args, kwargs)
-        return _as_result(dispatch.run(op, inputs, backend, None if config is None else json.loads(config)))
+        result = dispatch.run(op, inputs, backend, None if config is None else json.loads(config))
+        return None if op.mutates else _as_result(result)
 
     def fake(*args, **kwargs):
         inputs, backend, _ = inputs_of(args, kwargs)
         checks.choice("backend", backend, (*op.backends, "auto"))
-        return _as_result(op.empty_outputs(op.check(inputs), inputs))
+        problem = op.check(inputs)
+        return None if op.mutates else _as_result(op.empty_outputs(problem, inputs))
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(op.name, run, key)

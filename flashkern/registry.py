@@ -34,6 +34,7 @@ FAMILIES = (
     "moe_route",
     "indexer",
     "mhc",
+    "kv_cache",
 )
 
 
@@ -124,6 +125,9 @@ class Operator:
     # tests' draws (odd sizes, tails, extreme values, padding, NaN/Inf), also behind `flashkern check`
     prepare: Callable[[dict], None] | None = None  # zero-copy kernel views of accepted forms, from metadata only
     # (check applies it too; a cached plan records whether it changes anything for its call signature)
+    mutates: str | None = None  # the input the operator writes in place (its outputs, then), e.g. a cache; the
+    # entry takes no out= and returns None, the schema marks the argument Tensor(a!), the reference returns what
+    # the argument holds after the call
 
     def __post_init__(self):
         from flashkern import library
@@ -135,6 +139,12 @@ class Operator:
             if impl.name == name:
                 return impl
         raise KeyError(name)
+
+    def result_of(self, inputs: dict, **kwargs):
+        """Call the entry point on `inputs` (with backend=, config=, ...): what it returns or, for an operator that
+        writes one of its inputs in place (mutates), that input after the call."""
+        returned = self.entry(**inputs, **kwargs)
+        return inputs[self.mutates] if self.mutates else returned
 
     def empty_outputs(self, problem, inputs: dict):
         """Uninitialized outputs for one call, on the inputs' device."""

@@ -32,22 +32,24 @@ step() {  # step NAME SECONDS COMMAND...: time-limited, logged to OUT_DIR/NAME.l
 
 step env 20 bash -c "nvidia-smi; $py -c 'import torch, triton, tilelang, flashkern.device as d; \
 print(torch.__version__, triton.__version__, tilelang.__version__); print(d.info())'"
-step tests 85 "$py" -m pytest tests/test_moe_route.py tests/test_codecs.py tests/test_registry.py -q \
+step tests 70 "$py" -m pytest tests/test_moe_route.py tests/test_codecs.py tests/test_registry.py -q \
     -p no:cacheprovider --junitxml="$out/tests.xml"
-step tests-indexer 75 "$py" -m pytest tests/test_indexer.py -q -p no:cacheprovider --junitxml="$out/tests-indexer.xml"
-step tests-mhc 75 "$py" -m pytest tests/test_mhc.py -q -p no:cacheprovider --junitxml="$out/tests-mhc.xml"
-step tests-layouts-compat 75 "$py" -m pytest tests/test_layouts.py tests/test_vllm_routing.py tests/test_vllm_topk.py \
+step tests-indexer 65 "$py" -m pytest tests/test_indexer.py -q -p no:cacheprovider --junitxml="$out/tests-indexer.xml"
+step tests-mhc 65 "$py" -m pytest tests/test_mhc.py -q -p no:cacheprovider --junitxml="$out/tests-mhc.xml"
+step tests-layouts-compat 65 "$py" -m pytest tests/test_layouts.py tests/test_vllm_routing.py tests/test_vllm_topk.py \
     tests/test_vllm_mhc.py tests/test_deep_gemm.py -q -p no:cacheprovider --junitxml="$out/tests-layouts-compat.xml"
+step tests-kv-cache 45 "$py" -m pytest tests/test_kv_cache.py -q -p no:cacheprovider --junitxml="$out/tests-kv-cache.xml"
 step tests-serving 50 "$py" -m pytest tests/test_serving.py -q -p no:cacheprovider --junitxml="$out/tests-serving.xml"
 for op in mqa_logits; do
-    step "tune-$op" 35 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
+    step "tune-$op" 30 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
     step "table-$op" 10 "$py" -m flashkern table "$op" --export "$out/table-$op.json"
     step "report-$op" 10 "$py" -m flashkern report "$op" --plot "$out/$op.png"
 done
-step bench 30 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
-step indexer-work 35 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
+step bench 25 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
+step indexer-work 30 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
     --json "$out/indexer-work.json"
-step mhc-bandwidth 45 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
+step mhc-bandwidth 40 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
+step kv-cache-bytes 20 "$py" benchmarks/kv_cache_bytes.py --tokens 1,8,64 --kernel-tokens 64 --budget 0.2
 step model-vs-measured 10 "$py" benchmarks/model_vs_measured.py docs/model-h200.json "$out/bench.json" \
     --json "$out/model-vs-measured.json"
 step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py --rounds 5 --number 200

@@ -22,6 +22,7 @@ from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import checks, registry
 from flashkern.kernels.indexer import CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem, TopkProblem
+from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
 from test_layouts import layout
 
 BACKENDS = ("reference", "triton", "tilelang")
@@ -140,17 +141,62 @@ def candidate_case(data):
     return {**inputs, "row_end": row_end}, {**inputs, "row_end": clamp(row_end, 0, POSITIONS)}, None
 
 
+def fenced(cache: torch.Tensor) -> torch.Tensor:
+    """The same paged cache as a view of larger pages (a garbage tail per page) between two garbage pages: a read or
+    write outside the cache's records meets 0xFF bytes (records that decode to NaN)."""
+    blocks, block_size, record = cache.shape
+    pages = torch.full((blocks + 2, block_size * record + 2 * record), 0xFF, dtype=torch.uint8)
+    view = pages[1:-1, : block_size * record].view(blocks, block_size, record)
+    view.copy_(cache)
+    return view
+
+
+def _slots_or_padding(drawn: torch.Tensor, slots: int) -> torch.Tensor:
+    """The in-range equivalent of drawn slot values: an entry outside [0, slots) is padding (-1)."""
+    return torch.where((drawn >= 0) & (drawn < slots), drawn, -1)
+
+
+def attention_case(data):
+    op = registry.get("sparse_decode_attention")
+    problem = AttentionProblem(3, 9, 4, 4, swa=True, sink=data.draw(st.booleans(), label="sink"))
+    inputs = op.make_inputs(problem, "cpu", data.draw(st.integers(0, 99), label="seed"))
+    drawn, fixed = {}, {}
+    for cache, index in (("kv_cache", "indices"), ("swa_cache", "swa_indices")):
+        slots = inputs[cache].shape[0] * inputs[cache].shape[1]
+        drawn[cache] = fixed[cache] = fenced(inputs[cache])
+        drawn[index] = index_tensor(data, tuple(inputs[index].shape), -1, slots - 1, index)
+        fixed[index] = _slots_or_padding(drawn[index], slots)
+    return {**inputs, **drawn}, {**inputs, **fixed}, None
+
+
+def insert_case(data):
+    """Distinct valid slots (a repeated one is the caller's error) among -1 and out-of-range values."""
+    op = registry.get("kv_cache_insert")
+    inputs = op.make_inputs(CodecProblem(6, data.draw(st.sampled_from(["fp4", "mxfp8"]), label="format")), "cpu",
+                            data.draw(st.integers(0, 99), label="seed"))
+    slots = inputs["cache"].shape[0] * inputs["cache"].shape[1]
+    valid = data.draw(st.lists(st.integers(0, slots - 1), unique=True, max_size=6), label="valid slots")
+    others = data.draw(st.lists(st.one_of(st.just(-1), outside(-1, slots - 1)), min_size=6 - len(valid),
+                                max_size=6 - len(valid)), label="other slots")
+    drawn = torch.tensor(data.draw(st.permutations(valid + others), label="slots"), dtype=torch.int32)
+    cache = fenced(inputs["cache"])
+    return {**inputs, "cache": cache, "slots": drawn}, \
+        {**inputs, "cache": cache.clone(), "slots": _slots_or_padding(drawn, slots)}, None
+
+
 CASES = {"mqa_logits": mqa_case, "sparse_mqa_logits": sparse_case, "paged_mqa_logits": paged_case,
-         "topk_indices": topk_case, "candidate_blocks": candidate_case}
+         "topk_indices": topk_case, "candidate_blocks": candidate_case, "sparse_decode_attention": attention_case,
+         "kv_cache_insert": insert_case}
 EXACT = ("topk_indices", "candidate_blocks")  # exact values: every backend follows the reference's tie rule
 # index-addressed tensors: cut from garbage-filled buffers (0 in int tables: valid ids, wrong rows)
 GUARDED = ("k", "k_scale", "k_cache", "logits", "block_table")
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """Bit patterns of a result (so that NaN equals NaN)."""
-    x = x.cpu()
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
+def _same_bits(a, b) -> bool:
+    """Whether two results (tensors or tuples of them) have the same bit patterns (so that NaN equals NaN)."""
+    if isinstance(a, tuple):
+        return all(_same_bits(x, y) for x, y in zip(a, b, strict=True))
+    return a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
 
 
 def _guarded(inputs: dict) -> dict:
@@ -169,11 +215,11 @@ def test_out_of_range_indices_are_padding(name, backend, data):
     expected = op.reference(**in_range) if fixup is None else fixup(op.reference(**in_range))
     drawn = _guarded(on_device(drawn))
     with checks.checked(False):
-        actual = op.entry(**drawn, backend=backend)
+        actual = op.result_of(drawn, backend=backend)
     if backend == "reference":
-        assert torch.equal(_bits(actual), _bits(expected)), "the reference breaks its out-of-range rules"
+        assert _same_bits(actual, expected), "the reference breaks its out-of-range rules"
         return
-    op.compare(drawn, op.reference(**drawn), actual)
+    op.compare(drawn, expected if op.mutates else op.reference(**drawn), actual)
     if name in EXACT:
         assert torch.equal(actual.cpu(), expected), "a selection differs from the reference's tie rule"
 
@@ -207,6 +253,9 @@ def _bad_index_arguments():
         ("sparse_mqa_logits", SparseProblem(3, 40, 4, 8, 8), "blocks", (2, 0), 5),  # ceil(40 / 8) = 5 blocks
         ("sparse_mqa_logits", SparseProblem(3, 40, 4, 8, 8), "blocks", (2, 1), -2),
         ("sparse_mqa_logits", SparseProblem(3, 40, 4, 8, 8), "ke", (0,), INT32_MAX),
+        ("sparse_decode_attention", AttentionProblem(2, 5, 3, 4, swa=True), "indices", (1, 4), 2048),  # 2048 slots
+        ("sparse_decode_attention", AttentionProblem(2, 5, 3, 4, swa=True), "swa_indices", (0, 2), -2),
+        ("kv_cache_insert", CodecProblem(5), "slots", (3,), INT32_MIN),
     ]
 
 

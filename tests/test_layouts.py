@@ -22,6 +22,7 @@ from _budget import fraction_of_examples
 from _device import DEVICE
 from flashkern import registry
 from flashkern.kernels.indexer import Indexer, CandidateProblem, LogitsProblem, PagedProblem, SparseProblem, TopkProblem
+from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem
 
@@ -41,6 +42,11 @@ CASES = {
     "mhc_pre": (MhcProblem(5, 37, has_norm=True, collapse="carried"),),
     "mhc_post": (MhcProblem(5, 37),),
     "mhc_post_pre": (MhcProblem(5, 37, has_norm=True, collapse="carried"),),
+    "quantize_kv": (CodecProblem(5, "fp4"), CodecProblem(3, "mxfp8")),
+    "dequantize_kv": (CodecProblem(5, "fp4"), CodecProblem(3, "mxfp8")),
+    "kv_cache_insert": (CodecProblem(5, "fp4"), CodecProblem(3, "mxfp8")),
+    "sparse_decode_attention": (AttentionProblem(3, 37, 5, 4, swa=True, sink=True),
+                                AttentionProblem(2, 20, 3, 3, "mxfp8", "fp4", swa=True)),
 }
 
 # The arguments whose kernels take strides (every dimension but the last); all others must be contiguous.
@@ -52,6 +58,10 @@ STRIDED = {
     "topk_indices": ("logits",),
     "candidate_blocks": ("logits",),
     "sparse_mqa_logits": ("q", "k", "k_scale", "w", "blocks", "q_scale"),
+    "quantize_kv": ("latent",),
+    "dequantize_kv": ("records",),
+    "kv_cache_insert": ("latent",),
+    "sparse_decode_attention": ("q", "indices", "swa_indices"),
 }
 
 VIEWS = ("padded", "offset", "permuted", "expanded")
@@ -110,7 +120,8 @@ def _check_layouts(op, inputs: dict, views: dict, backend: str):
     """Run `op` on inputs with the named arguments in the given views; compare with the reference on the same views."""
     inputs = {**inputs, **{name: layout(inputs[name], view) for name, view in views.items()}}
     assert all(accepted(name, op.name, inputs[name]) for name in views)
-    op.compare(inputs, op.reference(**inputs), op.entry(**inputs, backend=backend))
+    expected = op.reference(**inputs)  # before an operator that writes an input in place writes it
+    op.compare(inputs, expected, op.result_of(inputs, backend=backend))
 
 
 OPS = sorted(CASES)
@@ -177,8 +188,8 @@ GUARD = 256  # sentinel elements on each side of every buffer a kernel path allo
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", OPS)
 def test_kernels_write_nothing_outside_their_outputs(monkeypatch, name, backend):
-    """Every torch.empty / empty_like of the call (outputs, partials, scores between stages) is carved from a larger
-    buffer filled with a sentinel byte; after the run the margins must be untouched (odd sizes: tails, padded
+    """Every torch.empty / empty_like of the call (outputs, partials, scores between stages), and the input an operator
+    writes in place, is carved from a larger buffer filled with a sentinel byte; after the run the margins must be untouched (odd sizes: tails, padded
     heads and streams). TileLang's C writes through raw pointers, as GPU kernels do; Triton's interpreter writes
     into its own copy of each tensor, so there this guards the GPU runs (scripts/gpu_check.sh) only."""
     op = registry.get(name)
@@ -193,12 +204,16 @@ def test_kernels_write_nothing_outside_their_outputs(monkeypatch, name, backend)
 
     for problem in CASES[name]:
         inputs = op.make_inputs(problem, DEVICE, seed=9)
+        expected = op.reference(**inputs)
+        if op.mutates:  # the input it writes in place is guarded too
+            inputs[op.mutates] = guarded_empty(inputs[op.mutates].shape, dtype=inputs[op.mutates].dtype,
+                                               device=DEVICE).copy_(inputs[op.mutates])
         monkeypatch.setattr(torch, "empty", guarded_empty)
         monkeypatch.setattr(torch, "empty_like", lambda x, **_: guarded_empty(x.shape, dtype=x.dtype, device=x.device))
-        actual = op.entry(**inputs, backend=backend)
+        actual = op.result_of(inputs, backend=backend)
         monkeypatch.undo()
         assert buffers, "the kernel path allocated nothing through torch.empty"
         for buffer in buffers:
             margins = torch.cat([buffer[:GUARD].view(torch.uint8), buffer[-GUARD:].view(torch.uint8)])
             assert (margins == 0x5A).all(), f"a write outside a {buffer.dtype} buffer of {buffer.numel() - 2 * GUARD}"
-        op.compare(inputs, op.reference(**inputs), actual)
+        op.compare(inputs, expected, actual)

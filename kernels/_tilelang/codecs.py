@@ -13,6 +13,7 @@ Formats (sign | exponent | mantissa, bias):
     e2m1    1 | 2 | 1   bias 1     4-bit code in the low nibble; magnitudes
                                    0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7); bit 3 is the sign;
                                    no inf, no NaN
+    ue8m0   0 | 8 | 0   bias 127   a power-of-two scale byte 2^(e - 127); 0xFF is NaN (OCP MX)
 
 Encoding rounds to nearest, ties to even, and keeps the sign of zero:
 
@@ -128,6 +129,28 @@ def f32_to_e2m1(x):
     u = _u32(x)
     code = _encode_magnitude(T.min(u & _ABS, T.uint32(_E2M1_MAX)), 1, 1)
     return T.Cast("uint8", code | ((u >> 28) & 8))
+
+
+# ---------------------------------------------------------------------------- ue8m0 (OCP MX scale byte)
+
+_UE8M0_NAN = 0xFF
+_UE8M0_MAX_FINITE = 0xFE  # 2^127
+
+
+def ue8m0_to_f32(exponent):
+    """ue8m0 scale byte e (any integer expression) -> fp32 2^(e - 127), exact (e = 0: the subnormal 2^-127;
+    e = 0xFF: NaN)."""
+    e = T.Cast("uint32", exponent)
+    bits = T.if_then_else(e == 0, T.uint32(0x00400000), T.shift_left(e, T.uint32(23)))
+    return _f32(T.if_then_else(e == _UE8M0_NAN, T.uint32(0x7FC00000), bits))
+
+
+def f32_to_ue8m0_ceil(x):
+    """fp32 x >= 0 -> the ue8m0 byte of 2^ceil(log2(x)) as uint32: x's exponent field, plus one if its mantissa is
+    nonzero (DeepGEMM's ceil_to_ue8m0), at most 0xFE (inf gives 0xFE; x = 0 gives 0)."""
+    u = _u32(x)
+    ceil = ((u >> 23) & 0xFF) + T.Cast("uint32", (u & 0x7FFFFF) != 0)
+    return T.min(ceil, T.uint32(_UE8M0_MAX_FINITE))
 
 
 # ---------------------------------------------------------------------------- test / debug kernels

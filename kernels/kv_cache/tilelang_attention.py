@@ -1,0 +1,352 @@
+"""Sparse decode attention over FP4 / MXFP8 KV-cache records in TileLang: one source for CUDA and the CPU (C) target
+(docs/operators.md section 8.3).
+
+    s_j = scale * q[t, h] . kv_j over the selected keys j of token t (both caches; -1 / out-of-range slots are none)
+    d = sum_j exp(s_j) + exp(sink[h]);  out = bf16(sum_j exp(s_j) / d * kv_j);  lse = log d
+
+Tile plan (FlashMLA's sparse decode; TileLang's examples/deepseek_v32/sparse_mla_fwd.py): the heads of a token
+share every key (MQA over the latent, K = V), so they are the M dimension of the tensor-core tiles.
+  1. attend, grid (T, ceil(H / block_h), splits): program (t, head group, split) walks its key blocks of
+     key_splits(problem, block_h, block_n, max_splits) (kernels/kv_cache/problem.py): the first
+     ceil(topk / block_n) blocks select slots of `indices` in kv_cache, the rest slots of `swa_indices` in
+     swa_cache (two loops, each over one cache in one format). q_tile [block_h, 512] (heads past H are zero rows)
+     is loaded once; per key block of block_n slots:
+       page, row [block_n]: where each slot's record is (page -1: padding or out of range, never read, a zero key,
+       score -inf);
+       rec [block_n, bytes] (shared): the gathered records (int64 page addresses, any page stride);
+       k_tile [block_n, 512] = the keys, dequantized once, in bf16 (exact but for MXFP8 values below bf16's
+       subnormals) in shared memory, for both products;
+       s [block_h, block_n] = q_tile . k_tile^T * scale (fp32 accumulate), online softmax in fp32 with the running
+       max m and sum l per head, p rounded to bf16, acc [block_h, 512] += p . k_tile.
+     The softmax shifts by m where m is finite and by 0 where it is +-inf (torch's logsumexp: a +inf score gives
+     lse +inf, no key yet gives -inf), so empty blocks and empty rows need no special value.
+     One split: out = bf16(acc f / d) and lse = shift + log d, with M = max(m, sink), shift = M (0 if not finite),
+     f = exp(shift(m) - shift) (0 without keys) and d = l f + exp(sink - shift) (no key and no sink: d = 0, out 0,
+     lse -inf). Several splits: acc, m, l to fp32 partials.
+  2. combine (several splits only), grid (T, H), a thread per 4 columns: the same merge over the splits' (acc,
+     m, l), the sink joining there.
+Loads: where q's rows and the caches' pages start on 16-byte boundaries (the host checks pointers and strides) the
+GPU loads q and gathers records in 16-byte cp.async pieces; otherwise row by row, element by element. The key loop
+is not software-pipelined: TileLang 0.1.15 pipelines these cp.async gathers only over a static trip count (a
+dynamic one fails in CUDA codegen), and the trip count here is the split's share of a per-call top-k.
+On the CPU the tiles are local fp32 buffers holding the same bf16-rounded operands, so both targets compute the same
+products; the loops run serially.
+H200 (v41-flash: H = 64, topk 512 FP4 + window 128 MXFP8): a token reads 512 x 288 + 128 x 528 = 215 KiB of records
+and does 4 x 512 x 64 x 640 = 84 MFLOP (bf16 wgmma): at T = 1, 20 splits of a 32-key block each (20 CTAs, each
+reading q: 64 KiB) plus the partials' round trip (20 x 128 KiB), latency bound; at T >= 132, one split, a CTA per
+token and 64 heads: 4096 tokens read 880 MB (0.18 ms at 4.8 TB/s) and do 344 GFLOP (0.35 ms at ~1 PFLOP/s), so
+the tensor cores bound it, as far as the gather (no overlap with the MMAs in a CTA, one CTA an SM) lets them.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
+import tilelang.language as T
+import torch
+
+from flashkern.autotune.space import Space
+from flashkern.kernels._tilelang import Flavour, row_strided
+from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
+from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, scale_value
+from flashkern.reference.kv_cache import FORMATS, LATENT
+
+NEG_INF = -T.infinity("float32")
+POS_INF = T.infinity("float32")
+COMBINE_THREADS = 128
+BF16_PER_16_BYTES = 8
+
+
+def _finite(x):
+    return (x > NEG_INF) & (x < POS_INF)
+
+
+def _shift(m):
+    """What the softmax subtracts for a running max m: m itself, 0 where m is +-inf (or NaN)."""
+    return T.if_then_else(_finite(m), m, T.float32(0))
+
+
+def _rescale(m, shift):
+    """exp(shift(m) - shift): the weight of sums taken at max m when the shift moves to `shift`; 0 with no keys."""
+    return T.if_then_else(m == NEG_INF, T.float32(0), T.exp(_shift(m) - shift))
+
+
+def _sink(Sink, h, has_sink):
+    """The sink logit of head h, -inf without a sink."""
+    return T.if_then_else(has_sink != 0, Sink[h], NEG_INF)
+
+
+def _cache_tensor(fmt, blocks, block_size, page_stride):
+    """A paged record cache uint8 [blocks, block_size, bytes] with any page stride."""
+    return T.StridedTensor((blocks, block_size, fmt.bytes), (page_stride, fmt.bytes, 1), "uint8")
+
+
+def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
+    """Stage 1 (module docstring): out / lse directly with one split (the partials are then placeholders
+    [1, 1, H, ..]), else the partials [splits, T, H, ..] (acc; m and l). The heads, the window (0 without a window
+    cache) and has_sink are run-time values, so problems that differ only in them share one compiled kernel."""
+    BH, BN = config["block_h"], config["block_n"]
+    kv_fmt, swa_fmt = FORMATS[problem.kv_format], FORMATS[problem.swa_format]
+    operand = "bfloat16" if fl.on_gpu else "float32"  # the gemm tiles: bf16 values either way
+    NT, H, TOPK, W = T.dynamic("T"), T.dynamic("heads"), T.dynamic("topk"), T.dynamic("window")
+    KB, KBS, KPS = T.dynamic("kv_blocks"), T.dynamic("kv_block_size"), T.dynamic("kv_page_stride")
+    SB, SBS, SPS = T.dynamic("swa_blocks"), T.dynamic("swa_block_size"), T.dynamic("swa_page_stride")
+    SP, PT = T.dynamic("splits"), T.dynamic("partial_tokens")
+    kv_key_blocks = T.ceildiv(TOPK, BN)  # then ceil(W / BN) window blocks
+    key_blocks = kv_key_blocks + T.ceildiv(W, BN)
+
+    def as_operand(x):
+        """An fp32 value as a gemm operand: bf16 on the GPU, rounded to bf16 in fp32 on the CPU."""
+        return T.Cast("bfloat16", x) if fl.on_gpu else fl.round_bf16(x)
+
+    def q_operand(stored):
+        """A stored bf16 element of q as a gemm operand (exact)."""
+        return stored if fl.on_gpu else fl.load_bf16(stored)
+
+    @T.macro
+    def fill_rows(tile, rows, width, pieces, aligned, value):
+        """tile[r, c] = value(r, c) over a [rows, width] tile that global loads fill. On the GPU with `aligned` set
+        (the host found every row start 16-byte aligned: `pieces` says which strides that makes multiples of a
+        16-byte piece) in 16-byte pieces through cp.async; otherwise a row at a time, element by element."""
+        if fl.on_gpu:
+            if aligned != 0:
+                for stride, elements in pieces:
+                    T.assume(stride % elements == 0)
+                for r, c in T.Parallel(rows, width, coalesced_width=T.int32(pieces[0][1]), prefer_async=True):
+                    tile[r, c] = value(r, c)
+            else:
+                for r in T.serial(rows):
+                    for c in T.Parallel(width):
+                        tile[r, c] = value(r, c)
+        else:
+            for r, c in T.grid(rows, width):
+                tile[r, c] = value(r, c)
+
+    @T.macro
+    def load_q(Q, t, h0, aligned, q_tile):
+        """q_tile = the block's heads of token t (rows past H zero)."""
+        fill_rows(q_tile, BH, LATENT, [(Q.strides[0], BF16_PER_16_BYTES), (Q.strides[1], BF16_PER_16_BYTES)], aligned,
+                  lambda h, d: T.if_then_else(h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]),
+                                              T.Cast(operand, 0)))
+
+    @T.macro
+    def load_keys(Cache, Indices, fmt, t, first, aligned, page, row, rec, k_tile):
+        """The key block of entries first .. first + BN - 1 of Indices[t]: page and row of each slot (page -1:
+        none), the records gathered, dequantized once into k_tile (zero rows for none)."""
+        for n in fl.parallel(BN):  # row holds the slot first
+            row[n] = T.if_then_else(first + n < Indices.shape[1], Indices[t, T.min(first + n, Indices.shape[1] - 1)],
+                                    -1)
+            row[n] = T.if_then_else(
+                (row[n] >= 0)
+                & (T.Cast("int64", row[n]) < T.Cast("int64", Cache.shape[0]) * T.Cast("int64", Cache.shape[1])),
+                row[n], -1)
+            page[n] = T.if_then_else(row[n] >= 0, row[n] // Cache.shape[1], -1)
+            row[n] = T.if_then_else(row[n] >= 0, row[n] % Cache.shape[1], 0)
+        fill_rows(rec, BN, fmt.bytes, [(Cache.strides[0], 16)], aligned, lambda n, b: T.if_then_else(
+            page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
+        for n, g in fl.parallel(BN, fmt.scales):
+            scale = T.if_then_else(page[n] >= 0, scale_value(fmt, rec, n, g), T.float32(0))
+            for j in T.unroll(fmt.group):
+                k_tile[n, g * fmt.group + j] = as_operand(
+                    T.if_then_else(page[n] >= 0, code_value(fmt, rec, n, g * fmt.group + j) * scale, T.float32(0)))
+
+    @T.macro
+    def attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha):
+        """Scores of the key block, online softmax (module docstring), acc += p . k_tile."""
+        T.gemm(q_tile, k_tile, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        for h, n in fl.parallel(BH, BN):
+            s[h, n] = T.if_then_else(page[n] >= 0, s[h, n] * scale, NEG_INF)
+        T.reduce_max(s, block_max, dim=1)
+        for h in fl.parallel(BH):  # (helpers get buffer elements: a nested expression would be copied into each use)
+            m_new[h] = T.max(m[h], block_max[h])
+            block_max[h] = _shift(m_new[h])
+            alpha[h] = _rescale(m[h], block_max[h])
+            m[h] = m_new[h]
+        for h, n in fl.parallel(BH, BN):
+            s[h, n] = T.exp(s[h, n] - block_max[h])
+        T.reduce_sum(s, block_sum, dim=1)
+        for h in fl.parallel(BH):
+            l[h] = l[h] * alpha[h] + block_sum[h]
+        for h, d in fl.parallel(BH, LATENT):
+            acc[h, d] = acc[h, d] * alpha[h]
+        for h, n in fl.parallel(BH, BN):
+            p_tile[h, n] = as_operand(s[h, n])
+        T.gemm(p_tile, k_tile, acc, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.prim_func
+    def sparse_attend(
+        Q: row_strided((NT, H, LATENT), fl.bf16, "q"),
+        KV: _cache_tensor(kv_fmt, KB, KBS, KPS),
+        Indices: row_strided((NT, TOPK), "int32", "indices"),
+        Swa: _cache_tensor(swa_fmt, SB, SBS, SPS),
+        SwaIndices: row_strided((NT, W), "int32", "swa_indices"),
+        Sink: T.Tensor((H,), "float32"),
+        Out: T.Tensor((NT, H, LATENT), fl.bf16),
+        Lse: T.Tensor((NT, H), "float32"),
+        PartialO: T.Tensor((SP, PT, H, LATENT), "float32"),
+        PartialML: T.Tensor((SP, PT, H, 2), "float32"),
+        scale: T.float32,
+        blocks_per_split: T.int32,
+        has_sink: T.int32,
+        aligned: T.int32,
+    ):
+        with T.Kernel(NT, T.ceildiv(H, BH), SP, threads=config["threads"]) as (t, head_group, split):
+            q_tile = fl.shared((BH, LATENT), operand)
+            k_tile = fl.shared((BN, LATENT), operand)
+            p_tile = fl.shared((BH, BN), operand)
+            rec = fl.shared((BN, max(kv_fmt.bytes, swa_fmt.bytes)), "uint8")
+            page = fl.shared((BN,), "int32")
+            row = fl.shared((BN,), "int32")
+            acc = fl.fragment((BH, LATENT), "float32")
+            s = fl.fragment((BH, BN), "float32")
+            m = fl.fragment((BH,), "float32")
+            l = fl.fragment((BH,), "float32")
+            m_new = fl.fragment((BH,), "float32")
+            block_max = fl.fragment((BH,), "float32")  # then the shift
+            sink = fl.fragment((BH,), "float32")
+            block_sum = fl.fragment((BH,), "float32")
+            alpha = fl.fragment((BH,), "float32")
+            h0, first = head_group * BH, split * blocks_per_split
+
+            load_q(Q, t, h0, aligned, q_tile)
+            for h, d in fl.parallel(BH, LATENT):
+                acc[h, d] = 0.0
+            for h in fl.parallel(BH):
+                m[h] = NEG_INF
+                l[h] = 0.0
+            # the split's key blocks [first, first + blocks_per_split): those of the main cache, then the window's
+            for i in T.serial(T.max(T.min(first + blocks_per_split, kv_key_blocks) - first, 0)):
+                load_keys(KV, Indices, kv_fmt, t, (first + i) * BN, aligned, page, row, rec, k_tile)
+                attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
+            for i in T.serial(T.max(T.min(first + blocks_per_split, key_blocks) - T.max(first, kv_key_blocks), 0)):
+                load_keys(Swa, SwaIndices, swa_fmt, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, aligned,
+                          page, row, rec, k_tile)
+                attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
+
+            if SP == 1:  # out = acc f / d, lse = shift + log d (block_max: the shift; alpha: f / d)
+                for h in fl.parallel(BH):
+                    sink[h] = _sink(Sink, T.min(h0 + h, H - 1), has_sink)
+                    m_new[h] = T.max(m[h], sink[h])
+                    block_max[h] = _shift(m_new[h])
+                    alpha[h] = _rescale(m[h], block_max[h])
+                    block_sum[h] = l[h] * alpha[h] + T.exp(sink[h] - block_max[h])
+                    if h0 + h < H:
+                        Lse[t, h0 + h] = block_max[h] + T.log(block_sum[h])
+                    alpha[h] = T.if_then_else(block_sum[h] > 0.0, alpha[h] / block_sum[h], T.float32(0))
+                for h, d in fl.parallel(BH, LATENT):
+                    if h0 + h < H:
+                        Out[t, h0 + h, d] = fl.store_bf16(acc[h, d] * alpha[h])
+            else:
+                for h, d in fl.parallel(BH, LATENT):
+                    if h0 + h < H:
+                        PartialO[split, t, h0 + h, d] = acc[h, d]
+                for h in fl.parallel(BH):
+                    if h0 + h < H:
+                        PartialML[split, t, h0 + h, 0] = m[h]
+                        PartialML[split, t, h0 + h, 1] = l[h]
+
+    return sparse_attend
+
+
+def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
+    """Stage 2 (module docstring): merge the splits' partials [splits, T, H, ..] of a (token, head), the sink
+    joining; splits <= max_splits, so the split weights live in registers."""
+    MS = config["max_splits"]
+    NT, H, SP = T.dynamic("T"), T.dynamic("heads"), T.dynamic("splits")
+
+    @T.prim_func
+    def combine_splits(
+        PartialO: T.Tensor((SP, NT, H, LATENT), "float32"),
+        PartialML: T.Tensor((SP, NT, H, 2), "float32"),
+        Sink: T.Tensor((H,), "float32"),
+        Out: T.Tensor((NT, H, LATENT), fl.bf16),
+        Lse: T.Tensor((NT, H), "float32"),
+        has_sink: T.int32,
+    ):
+        with T.Kernel(NT, H, threads=COMBINE_THREADS) as (t, h):
+            weight = T.alloc_local((MS,), "float32")  # exp(shift(m_s) - shift) / d per split
+            sink = T.alloc_var("float32", init=_sink(Sink, h, has_sink))
+            shift = T.alloc_var("float32", init=sink)
+            total = T.alloc_var("float32")
+            value = T.alloc_var("float32")
+            for s in T.serial(SP):
+                shift = T.max(shift, PartialML[s, t, h, 0])
+            shift = _shift(shift)
+            total = T.exp(sink - shift)  # 0 without a sink
+            for s in T.unroll(MS):
+                weight[s] = T.if_then_else(s < SP, _rescale(PartialML[T.min(s, SP - 1), t, h, 0], shift), 0.0)
+                total = total + T.if_then_else(s < SP, weight[s] * PartialML[T.min(s, SP - 1), t, h, 1], 0.0)
+            Lse[t, h] = shift + T.log(total)
+            for s in T.unroll(MS):
+                weight[s] = T.if_then_else(total > 0.0, weight[s] / total, T.float32(0))
+            for d in fl.parallel(LATENT):
+                value = 0.0
+                for s in T.unroll(MS):
+                    if s < SP:
+                        value = value + PartialO[s, t, h, d] * weight[s]
+                Out[t, h, d] = fl.store_bf16(value)
+
+    return combine_splits
+
+
+def attention_program(problem: AttentionProblem, config: dict, fl: Flavour):
+    """(attend, combine): the combine runs only when the split plan has more than one split."""
+    return attend_program(problem, config, fl), combine_program(problem, config, fl)
+
+
+def _aligned(q, *caches) -> bool:
+    """Whether q's rows and the caches' pages start on 16-byte boundaries (data pointers and strides: metadata),
+    so that the kernel may load them in 16-byte pieces."""
+    return (q.data_ptr() % 16 == 0 and q.stride(0) % BF16_PER_16_BYTES == 0 and q.stride(1) % BF16_PER_16_BYTES == 0
+            and all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 for c in caches))
+
+
+def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Flavour, out):
+    """The stages' arguments; absent inputs (window cache, sink) and, with one split, the partials are
+    placeholders the kernels never read."""
+    if problem.tokens == 0:
+        return None
+    plan = key_splits(problem, config["block_h"], config["block_n"], config["max_splits"])
+    H, tokens, device = problem.heads, problem.tokens, inputs["q"].device
+    if problem.swa:
+        swa, swa_indices = cache_arg(inputs["swa_cache"]), inputs["swa_indices"]
+    else:  # window 0: no key block reads it
+        swa = torch.empty((1, 1, FORMATS[problem.swa_format].bytes), dtype=torch.uint8, device=device)
+        swa_indices = torch.empty((tokens, 0), dtype=torch.int32, device=device)
+    sink = inputs["sink"] if problem.sink else torch.empty(H, dtype=torch.float32, device=device)
+    scale = LATENT**-0.5 if inputs["scale"] is None else float(inputs["scale"])
+    partial_tokens = tokens if plan.splits > 1 else 1
+    partial_o = torch.empty((plan.splits, partial_tokens, H, LATENT), dtype=torch.float32, device=device)
+    partial_ml = torch.empty((plan.splits, partial_tokens, H, 2), dtype=torch.float32, device=device)
+    out_bf16 = fl.bf16_arg(out.out)
+    q, kv = inputs["q"], cache_arg(inputs["kv_cache"])
+    attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, sink, out_bf16, out.lse, partial_o, partial_ml,
+              scale, plan.blocks_per_split, int(problem.sink), int(_aligned(q, kv, swa))]
+    if plan.splits == 1:
+        return attend, None
+    return attend, [partial_o, partial_ml, sink, out_bf16, out.lse, int(problem.sink)]
+
+
+# ---------------------------------------------------------------- tuning space
+
+# sm_90a builds (nvcc --resource-usage; both formats' paths and both load paths are in every build), registers a
+# thread at (block_h, threads, block_n): (64, 256, 32) 255 (wgmma), (64, 256, 64) 255 + 104 B of spills, (32, 128, 64)
+# 252 and (32, 128, 32) 245 (mma.sync: below 64 heads no warpgroup MMA), (16, 128, 64) 218, (32, 256, 64) 198: the
+# fp32 accumulator [block_h, 512] and the scores [block_h, block_n] must stay within 136 values a thread. Shared
+# memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a 528-byte record tile), within the 227 KiB a
+# CTA may take, so it is not modelled.
+ACCUMULATORS = 136
+ATTENTION_SPACE = Space(
+    params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
+            "threads": (128, 256)},
+    gpu_only=("threads",),
+    limits={f"block_h x (512 + block_n) / threads <= {ACCUMULATORS} (registers: output accumulator and scores)":
+            lambda p, c: c["block_h"] * (LATENT + c["block_n"]) // c["threads"] <= ACCUMULATORS},
+)
+
+
+def attention_default(problem: AttentionProblem) -> dict:
+    """All heads of a token in one tile (16 or 32 for fewer heads; 64, and two tiles past 64 heads), up to 32 splits;
+    64 heads: two warpgroups (wgmma, 128 accumulators a thread) and 32-key blocks (64 spill), else four warps and
+    64-key blocks."""
+    block_h = next((b for b in (16, 32) if problem.heads <= b), 64)
+    if block_h == 64:
+        return {"block_h": 64, "block_n": 32, "max_splits": 32, "threads": 256}
+    return {"block_h": block_h, "block_n": 64, "max_splits": 32, "threads": 128}
