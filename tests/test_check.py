@@ -30,7 +30,7 @@ def _summing_op():
     """An operator whose 'kernel' is wrong once a vector has more than 3 elements."""
     return SimpleNamespace(
         name="summing", cases=lambda: st.integers(0, 60).map(lambda n: dict(x=torch.arange(float(n)))),
-        reference=lambda x: x.sum(), entry=lambda x, backend, config: x[:3].sum(),
+        reference=lambda x: x.sum(), result_of=lambda inputs, backend, config: inputs["x"][:3].sum(),
         compare=lambda inputs, expected, actual: torch.testing.assert_close(actual, expected),
         implementation=lambda name: None, check=lambda inputs: None)
 
