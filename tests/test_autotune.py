@@ -256,7 +256,10 @@ def _cli(*args, db, **kw):
 
 
 def _rows(db) -> list[tuple]:
+    """The stored results; none while the tuner has created the file but not yet its schema."""
     with sqlite3.connect(db) as conn:
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'results'").fetchone():
+            return []
         return conn.execute("SELECT op, impl, config, shape, status, median FROM results").fetchall()
 
 
