@@ -32,10 +32,11 @@ dynamic one fails in CUDA codegen), and the trip count here is the split's share
 On the CPU the tiles are local fp32 buffers holding the same bf16-rounded operands, so both targets compute the same
 products; the loops run serially.
 H200 (v41-flash: H = 64, topk 512 FP4 + window 128 MXFP8): a token reads 512 x 288 + 128 x 528 = 215 KiB of records
-and does 4 x 512 x 64 x 640 = 84 MFLOP (bf16 wgmma): at T = 1, 20 splits of a 32-key block each (20 CTAs, each
-reading q: 64 KiB) plus the partials' round trip (20 x 128 KiB), latency bound; at T >= 132, one split, a CTA per
-token and 64 heads: 4096 tokens read 880 MB (0.18 ms at 4.8 TB/s) and do 344 GFLOP (0.35 ms at ~1 PFLOP/s), so
-the tensor cores bound it, as far as the gather (no overlap with the MMAs in a CTA, one CTA an SM) lets them.
+and does 4 x 512 x 64 x 640 = 84 MFLOP. Decode (T = 1): 16-head tiles, 10 splits of 64 keys, 40 CTAs, each reading
+its q rows (16 KiB) and writing 32 KiB of partials: latency bound (model: 9 us, launches included). T = 4096: 64-head
+tiles on wgmma, one split, a CTA per token: 880 MB read (0.18 ms at 4.8 TB/s) and 344 GFLOP (0.35 ms at 70% of the
+bf16 peak), so the tensor cores bound it as far as the gathers, which do not overlap the MMAs within a CTA (one CTA
+an SM), let them (model: 515 us, 68% of the roof).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -44,8 +45,8 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
-from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, scale_value
+from flashkern.kernels.kv_cache.problem import H200_SMS, AttentionProblem, key_splits
+from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, locate_slot, scale_value
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
 NEG_INF = -T.infinity("float32")
@@ -101,15 +102,15 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
         return stored if fl.on_gpu else fl.load_bf16(stored)
 
     @T.macro
-    def fill_rows(tile, rows, width, pieces, aligned, value):
+    def fill_rows(tile, rows, width, piece, strides, aligned, value):
         """tile[r, c] = value(r, c) over a [rows, width] tile that global loads fill. On the GPU with `aligned` set
-        (the host found every row start 16-byte aligned: `pieces` says which strides that makes multiples of a
-        16-byte piece) in 16-byte pieces through cp.async; otherwise a row at a time, element by element."""
+        (the host found the source 16-byte aligned and its `strides` multiples of a `piece`, the elements in 16
+        bytes) in 16-byte pieces through cp.async; otherwise a row at a time, element by element."""
         if fl.on_gpu:
             if aligned != 0:
-                for stride, elements in pieces:
-                    T.assume(stride % elements == 0)
-                for r, c in T.Parallel(rows, width, coalesced_width=T.int32(pieces[0][1]), prefer_async=True):
+                for stride in strides:
+                    T.assume(stride % piece == 0)
+                for r, c in T.Parallel(rows, width, coalesced_width=T.int32(piece), prefer_async=True):
                     tile[r, c] = value(r, c)
             else:
                 for r in T.serial(rows):
@@ -122,24 +123,17 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
     @T.macro
     def load_q(Q, t, h0, aligned, q_tile):
         """q_tile = the block's heads of token t (rows past H zero)."""
-        fill_rows(q_tile, BH, LATENT, [(Q.strides[0], BF16_PER_16_BYTES), (Q.strides[1], BF16_PER_16_BYTES)], aligned,
-                  lambda h, d: T.if_then_else(h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]),
-                                              T.Cast(operand, 0)))
+        fill_rows(q_tile, BH, LATENT, BF16_PER_16_BYTES, Q.strides[:2], aligned, lambda h, d: T.if_then_else(
+            h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
 
     @T.macro
     def load_keys(Cache, Indices, fmt, t, first, aligned, page, row, rec, k_tile):
         """The key block of entries first .. first + BN - 1 of Indices[t]: page and row of each slot (page -1:
         none), the records gathered, dequantized once into k_tile (zero rows for none)."""
-        for n in fl.parallel(BN):  # row holds the slot first
-            row[n] = T.if_then_else(first + n < Indices.shape[1], Indices[t, T.min(first + n, Indices.shape[1] - 1)],
-                                    -1)
-            row[n] = T.if_then_else(
-                (row[n] >= 0)
-                & (T.Cast("int64", row[n]) < T.Cast("int64", Cache.shape[0]) * T.Cast("int64", Cache.shape[1])),
-                row[n], -1)
-            page[n] = T.if_then_else(row[n] >= 0, row[n] // Cache.shape[1], -1)
-            row[n] = T.if_then_else(row[n] >= 0, row[n] % Cache.shape[1], 0)
-        fill_rows(rec, BN, fmt.bytes, [(Cache.strides[0], 16)], aligned, lambda n, b: T.if_then_else(
+        for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
+            locate_slot(Cache, T.if_then_else(first + n < Indices.shape[1],
+                                              Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
+        fill_rows(rec, BN, fmt.bytes, 16, Cache.strides[:1], aligned, lambda n, b: T.if_then_else(
             page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
         for n, g in fl.parallel(BN, fmt.scales):
             scale = T.if_then_else(page[n] >= 0, scale_value(fmt, rec, n, g), T.float32(0))
@@ -328,25 +322,32 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 
 # sm_90a builds (nvcc --resource-usage; both formats' paths and both load paths are in every build), registers a
 # thread at (block_h, threads, block_n): (64, 256, 32) 255 (wgmma), (64, 256, 64) 255 + 104 B of spills, (32, 128, 64)
-# 252 and (32, 128, 32) 245 (mma.sync: below 64 heads no warpgroup MMA), (16, 128, 64) 218, (32, 256, 64) 198: the
-# fp32 accumulator [block_h, 512] and the scores [block_h, block_n] must stay within 136 values a thread. Shared
-# memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a 528-byte record tile), within the 227 KiB a
-# CTA may take, so it is not modelled.
-ACCUMULATORS = 136
+# 250 and (32, 128, 32) 245 (mma.sync: below 64 heads a tile no warpgroup MMA), (16, 128, 64) 219, (32, 256, 64)
+# 198: the fp32 accumulator [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's
+# tiles leave room for 32 keys a block only. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in
+# bf16 and a 528-byte record tile), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
             "threads": (128, 256)},
     gpu_only=("threads",),
-    limits={f"block_h x (512 + block_n) / threads <= {ACCUMULATORS} (registers: output accumulator and scores)":
-            lambda p, c: c["block_h"] * (LATENT + c["block_n"]) // c["threads"] <= ACCUMULATORS},
+    limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
+            lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
+            "block_n <= 32 with 64 heads a tile (registers: 64 keys spill next to the warpgroup MMA's accumulator)":
+            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 32,
+            "warps <= (block_h / 16) x (block_n / 8) (MMA pieces of the scores)":
+            lambda p, c: c["threads"] // 32 <= c["block_h"] // 16 * (c["block_n"] // 8)},
 )
 
 
 def attention_default(problem: AttentionProblem) -> dict:
-    """All heads of a token in one tile (16 or 32 for fewer heads; 64, and two tiles past 64 heads), up to 32 splits;
-    64 heads: two warpgroups (wgmma, 128 accumulators a thread) and 32-key blocks (64 spill), else four warps and
-    64-key blocks."""
-    block_h = next((b for b in (16, 32) if problem.heads <= b), 64)
+    """Enough tokens to fill the SMs with all of a token's heads in one tile (T x ceil(H / 64) >= 132): the heads in
+    one tile (64: two warpgroups on wgmma, 32-key blocks; fewer heads: 16 or 32, four warps, 64-key blocks), rarely
+    split. Fewer tokens (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the
+    partials stay small (the performance model at T = 1 / 8 / 64, 64 heads: 9 / 14 / 20 us against 14 / 16 / 34 us
+    with 64-head tiles; at T = 4096: 515 us, 68% of the roof, against 1088 us with 16-head tiles)."""
+    if problem.tokens * -(-problem.heads // 64) < H200_SMS:
+        return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
+    block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
     if block_h == 64:
-        return {"block_h": 64, "block_n": 32, "max_splits": 32, "threads": 256}
-    return {"block_h": block_h, "block_n": 64, "max_splits": 32, "threads": 128}
+        return {"block_h": 64, "block_n": 32, "max_splits": 16, "threads": 256}
+    return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 128}
