@@ -220,7 +220,7 @@ def dequantize_args(problem: CodecProblem, inputs: dict, config: dict, fl: Flavo
 
 # ---------------------------------------------------------------- tuning spaces
 
-# sm_90a builds take 23..150 registers across the space, no spills (a thread encodes or decodes one scale block at a
+# sm_90a builds take 23..80 registers across the space, no spills (a thread encodes or decodes one scale block at a
 # time), and at most 24 KiB of shared memory: no limit binds.
 RECORD_SPACE = Space(params={"block_rows": (1, 2, 4, 8, 16), "threads": (64, 128, 256)}, gpu_only=("threads",))
 QUANTIZE_SPACE = DEQUANTIZE_SPACE = INSERT_SPACE = RECORD_SPACE
