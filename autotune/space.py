@@ -25,6 +25,7 @@ class Space:
     constraints: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
     limits: dict[str, Callable[[Any, Config], bool]] = field(default_factory=dict)
     gpu_only: tuple[str, ...] = ()
+    _valid: dict = field(default_factory=dict, compare=False, repr=False)  # (problem, target, pins) -> configs
 
     def violations(self, problem, config: Config, target: str = "cuda") -> list[str]:
         """Descriptions of the rules `config` breaks for `problem` on `target` ("cuda" or "cpu")."""
@@ -32,11 +33,16 @@ class Space:
         return [text for text, holds in rules.items() if not holds(problem, config)]
 
     def configs(self, problem, target: str = "cuda", pin: Config | None = None) -> list[Config]:
-        """Every config of the space that may run `problem` on `target`; `pin` fixes the gpu_only parameters."""
-        params = {name: (pin[name],) if pin is not None and name in self.gpu_only else values
-                  for name, values in self.params.items()}
-        every = (dict(zip(params, values)) for values in itertools.product(*params.values()))
-        return [c for c in every if not self.violations(problem, c, target)]
+        """Every config of the space that may run `problem` on `target`; `pin` fixes the gpu_only parameters.
+
+        Enumerated once per (problem, target, pinned values): spaces reach 10^5 points, each tested by every rule."""
+        pins = {name: pin[name] for name in self.gpu_only} if pin is not None else {}
+        key = (problem, target, tuple(sorted(pins.items())))
+        if key not in self._valid:
+            params = {name: (pins[name],) if name in pins else values for name, values in self.params.items()}
+            every = (dict(zip(params, values)) for values in itertools.product(*params.values()))
+            self._valid[key] = [c for c in every if not self.violations(problem, c, target)]
+        return [dict(c) for c in self._valid[key]]
 
     @staticmethod
     def sample_from(configs: list[Config], count: int, seed: int = 0) -> list[Config]:
@@ -45,7 +51,7 @@ class Space:
 
     def sample(self, problem, count: int, seed: int = 0, target: str = "cuda") -> list[Config]:
         """Up to `count` distinct valid configs, drawn reproducibly."""
-        return self.sample_from(self.configs(problem, target), count, seed)
+        return self.sample_from(self.configs(problem, target), count, seed) if count > 0 else []
 
     def check(self, problem, config: Config, target: str = "cuda") -> None:
         """Raise ValueError naming `config` if it has unknown keys, off-space values or breaks a constraint."""

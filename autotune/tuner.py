@@ -9,9 +9,10 @@ For one operator and a list of problems, on one device:
   2. resume: candidates already in the store for this device and these versions are skipped,
      unless timed at another thread count (rows of a schema-1 store have none: they are timed
      again, and their shapes decided again).
-  3. build, in parallel worker processes: TileLang kernels are compiled (filling TileLang's disk
-     cache for the timing process); on sm_90 devices every kernel is also built for its register,
-     spill and shared-memory report, and spilling configs are pruned with the reason recorded.
+  3. build, in parallel worker processes (one worker: in this process): TileLang kernels are compiled
+     (filling TileLang's disk cache for the timing process); on sm_90 devices every kernel is also built
+     for its register, spill and shared-memory report, and spilling configs are pruned with the reason
+     recorded.
   4. per shape: run each candidate once and compare with the reference on the tuning inputs
      (failures are stored with their reason), then time the correct ones together (a timing
      pass, below) and store each with its median, IQR and thread count.
@@ -79,7 +80,7 @@ class Candidate:
 class Summary:
     measured: int = 0  # new results stored (timed, checked or rejected)
     reused: int = 0  # candidates found in the store
-    built: int = 0  # kernels built in workers
+    built: int = 0  # kernels built
     decided: int = 0  # new decisions
 
 
@@ -240,23 +241,30 @@ class Tuner:
             smem=report.smem if report else None)
 
     def _build_all(self, op, builds, summary: Summary) -> set:
-        """Build in parallel; store failures and pruned configs; return their keys."""
+        """Build in parallel (one worker: in this process, which then holds the kernels); store failures and pruned
+        configs; return their keys."""
         failed = set()
         if not builds:
+            return failed
+
+        def record(problem, cand, key, status, reason, report):
+            summary.built += 1
+            if status != st.OK:
+                self.store.put(self._result(op, problem, cand, key, status, reason, report=report))
+                summary.measured += 1
+                failed.add(key)
+            self._report(advance=1)
+
+        if min(self.workers, len(builds)) == 1:
+            for problem, cand, key in builds:
+                record(problem, cand, key, *_build(op.name, cand.impl, problem, cand.config, str(self.device)))
             return failed
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(builds)), mp_context=context) as pool:
             futures = {pool.submit(_build, op.name, cand.impl, problem, cand.config, str(self.device)):
                        (problem, cand, key) for problem, cand, key in builds}
             for future in as_completed(futures):
-                problem, cand, key = futures[future]
-                status, reason, report = future.result()
-                summary.built += 1
-                if status != st.OK:
-                    self.store.put(self._result(op, problem, cand, key, status, reason, report=report))
-                    summary.measured += 1
-                    failed.add(key)
-                self._report(advance=1)
+                record(*futures[future], *future.result())
         return failed
 
     def _run(self, op, problem, inputs, cand: Candidate):

@@ -1,8 +1,8 @@
 """GPU build check without a GPU: every implementation lowers and compiles for sm_90a.
 
-For each operator and each distinct build of a preset's shapes (Triton: every shape, specialized as its JIT
-specializes the launch arguments; TileLang: every kernel specialization, sizes dynamic), the default config
-and a reproducible sample of the tuning space are built:
+For each operator and each shape of a preset, the default config and a reproducible sample of the tuning space
+are built, once per distinct build (Triton: every shape, specialized as its JIT specializes the launch arguments;
+TileLang: every distinct program, sizes dynamic):
   Triton:   ahead-of-time compile for GPUTarget("cuda", 90, 32), then Triton's ptxas -v;
   TileLang: the GPU flavour lowered for sm_90a, then nvcc -ptx and -cubin --resource-usage.
 Builds run in parallel worker processes started with TRITON_INTERPRET=0 (interpreted
@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import flashkern
 from flashkern import registry
 from flashkern.kernels.build import BuildReport
 
@@ -56,21 +57,28 @@ class BuildResult:
 
 
 def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> list[BuildJob]:
-    """Default config plus `sample` more configs per implementation and distinct build of the preset's shapes: per
-    shape for Triton (its JIT specializes on integer values), per kernel specialization for TileLang.
+    """Default config plus `sample` more configs per implementation and shape of the preset, one job per distinct
+    build (impl.kernel.build_key): per shape for Triton (its JIT specializes on integer values), per distinct
+    program for TileLang (sizes are dynamic). Sampled configs are drawn per shape, reproducibly, other than the
+    default.
 
-    Defaults are resolved in the (non-interpreted) build worker: they are the GPU defaults.
+    A default job carries config None: the build worker (not interpreted) resolves it, as the parent did here for
+    the key, to the GPU default.
     """
     jobs = []
     for name in op_names:
         op = registry.get(name)
         for impl in op.implementations:
-            problems = {}
+            seen = set()
             for problem in op.presets[preset]:
-                problems.setdefault(impl.kernel.build_key(problem), problem)
-            for problem in problems.values():
-                jobs.append(BuildJob(name, impl.name, problem, None))
-                jobs += [BuildJob(name, impl.name, problem, c) for c in impl.space.sample(problem, sample, seed)]
+                with flashkern.planning_for_gpu():
+                    default = impl.default_config(problem)
+                sampled = [c for c in impl.space.sample(problem, sample, seed) if c != default]
+                for config in (None, *sampled):
+                    key = impl.kernel.build_key(problem, default if config is None else config)
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append(BuildJob(name, impl.name, problem, config))
     return jobs
 
 

@@ -30,7 +30,6 @@ from pathlib import Path
 import flashkern
 from flashkern import registry
 from flashkern.autotune import identity
-from flashkern.autotune.store import canonical
 from flashkern.kernels.build import BuildReport, Census, LaunchTraffic
 from flashkern.registry import Cost
 
@@ -239,7 +238,7 @@ def evaluate(op_names, preset: str, device: Device, sample: int = 0, seed: int =
              on_step=None) -> list[Row]:
     """The model of every implementation of `op_names` at each shape of `preset` (operators without it skipped by
     the caller), in its GPU default config and `sample` more: traffic counted here, builds in worker processes
-    (flashkern.compile_check), one per distinct build (impl.kernel.build_key) and config. on_step(done, total) follows
+    (flashkern.compile_check), one per distinct build (impl.kernel.build_key of a shape and config). on_step(done, total) follows
     the builds and then the rows."""
     from flashkern import compile_check
 
@@ -252,7 +251,7 @@ def evaluate(op_names, preset: str, device: Device, sample: int = 0, seed: int =
                           for config, default in _gpu_configs(impl, problem, sample, seed)]
     builds = {}
     def build_of(op, impl, problem, config):
-        return op.name, impl.name, impl.kernel.build_key(problem), canonical(config)
+        return op.name, impl.name, impl.kernel.build_key(problem, config)
 
     for op, impl, problem, config, _ in cases:
         builds.setdefault(build_of(op, impl, problem, config), compile_check.BuildJob(op.name, impl.name, problem, config))

@@ -32,8 +32,10 @@ SHAPES = [RouteProblem(tokens=t, routing=r) for r in (V41_FLASH, V3) for t in (1
 
 
 def tune(path, problems=SHAPES, **kw):
+    """Tune moe_route into the store at `path`, building in this process (the CLI tests spawn build workers)."""
     with st.Store(path) as store:
-        return Tuner(store, "cpu", budget=kw.pop("budget", 0.02), **kw).tune("moe_route", problems)
+        return Tuner(store, "cpu", budget=kw.pop("budget", 0.02), workers=kw.pop("workers", 1), **kw).tune(
+            "moe_route", problems)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +267,7 @@ def _rows(db) -> list[tuple]:
 
 def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
     db = tmp_path / "t.sqlite3"
-    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.1", "--max-configs", "3")  # what resumes, not
+    args = ("tune", "moe_route", "--preset", "smoke", "--budget", "0.05", "--max-configs", "3")  # what resumes, not
     # how many configs: each TileLang config is a C compile
     proc = _cli(*args, db=db)
     deadline = time.time() + 300
@@ -289,8 +291,9 @@ def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
 
 def test_two_tuners_on_one_store_both_keep_every_result(tmp_path):
     db = tmp_path / "t.sqlite3"
-    first = _cli("tune", "moe_route", "--shapes", "1,37", "--budget", "0.05", "--max-configs", "3", db=db)
-    second = _cli("tune", "moe_route", "--shapes", "5,99", "--budget", "0.05", "--max-configs", "3", db=db)
+    first = _cli("tune", "moe_route", "--shapes", "1,37", "--budget", "0.02", "--max-configs", "2", "--jobs", "1", db=db)
+    second = _cli("tune", "moe_route", "--shapes", "5,99", "--budget", "0.02", "--max-configs", "2", "--jobs", "1",
+                  db=db)
     outs = [p.communicate(timeout=600)[0] for p in (first, second)]
     assert first.returncode == 0 and second.returncode == 0, outs
     with st.Store(db) as store:
@@ -364,7 +367,7 @@ def test_report_compares_backends_and_writes_a_plot(tuned, tmp_path):
 
 def test_tune_command_prints_the_table_and_resumes(tmp_path):
     db = tmp_path / "t.sqlite3"
-    args = ("tune", "moe_route", "--shapes", "3", "--budget", "0.02")
+    args = ("tune", "moe_route", "--shapes", "3", "--budget", "0.02", "--max-configs", "2", "--jobs", "1")
     first = _cli(*args, db=db)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0 and "backend='auto'" in out, out

@@ -17,6 +17,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flashkern.ops
+from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
@@ -48,6 +49,7 @@ def test_moe_route_gate_matches_reference(backend, inputs):
 
 @pytest.mark.parametrize("op", (MOE_ROUTE, MOE_ROUTE_GATE), ids=lambda op: op.name)
 @pytest.mark.parametrize("backend", KERNELS)
+@fraction_of_examples(1 / 3)
 @given(data=st.data())
 def test_sampled_configs_match_reference(op, backend, data):
     """Any config of the tuning space (not only the default) gives correct routing."""

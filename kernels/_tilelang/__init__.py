@@ -258,9 +258,9 @@ class TileLangKernel:
         return out
 
     @staticmethod
-    def build_key(problem):
-        """What an sm_90a build depends on: the problem without its sizes (dynamic in the kernels)."""
-        return problem.specialization()
+    def build_key(problem, config) -> tuple:
+        """What an sm_90a build depends on: the problem without its sizes (dynamic in the kernels) and the config."""
+        return problem.specialization(), tuple(sorted(config.items()))
 
     def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
         """Each stage's sm_90a build report."""

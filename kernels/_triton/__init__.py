@@ -133,10 +133,10 @@ class TritonKernel:
         return out
 
     @staticmethod
-    def build_key(problem):
+    def build_key(problem, config) -> tuple:
         """What an sm_90a build depends on: the whole problem (the JIT specializes on integer values: 1, and
-        divisibility by 16)."""
-        return problem
+        divisibility by 16) and the config."""
+        return problem, tuple(sorted(config.items()))
 
     def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
         """Each launch's sm_90a build report."""

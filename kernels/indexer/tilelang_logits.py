@@ -43,7 +43,6 @@ from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.indexer.problem import LogitsProblem, PagedProblem, SparseProblem
 
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
-UE8M0_NAN = 0xFF
 NO_POSITION = -1
 LAST_POSITION = 2**31 - 1
 
@@ -51,13 +50,6 @@ LAST_POSITION = 2**31 - 1
 def _head_slots(heads: int) -> int:
     """Heads padded to a power of two (CUDA reductions) of at least 16 (MMA tile width)."""
     return max(16, 1 << (heads - 1).bit_length())
-
-
-def _ue8m0_to_f32(exponent):
-    """fp32 value 2^(e - 127) of a ue8m0 scale byte, exact (e = 0: the subnormal 2^-127; e = 0xFF: NaN, OCP MX)."""
-    e = T.Cast("uint32", exponent)
-    bits = T.if_then_else(e == 0, T.uint32(0x00400000), T.shift_left(e, T.uint32(23)))
-    return T.reinterpret(T.if_then_else(e == UE8M0_NAN, T.uint32(0x7FC00000), bits), "float32")
 
 
 class _Storage:
@@ -115,7 +107,7 @@ class _Storage:
         return Q[(*self._q_lead(row), head, element)]
 
     def q_scale_at(self, Qscale, row, head, chunk):
-        return _ue8m0_to_f32(Qscale[(*self._q_lead(row), head, chunk)])
+        return codecs.ue8m0_to_f32(Qscale[(*self._q_lead(row), head, chunk)])
 
     def k_at(self, K, key, element):
         return K[(*self._k_lead(key), element)]
@@ -123,7 +115,7 @@ class _Storage:
     def key_scale(self, Kscale, key, chunk):
         if self.fp8:
             return Kscale[self._k_lead(key)]
-        return _ue8m0_to_f32(Kscale[(*self._k_lead(key), chunk)])
+        return codecs.ue8m0_to_f32(Kscale[(*self._k_lead(key), chunk)])
 
     def e4m3(self, stored):
         """A stored e4m3 value as a gemm operand."""

@@ -40,11 +40,11 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
+from flashkern.kernels._triton.codecs import ue8m0_decode
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
 MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
 E2M1_AS_E4M3_CORRECTION = tl.constexpr(4096.0)  # 2^6 x 2^6: e2m1 codes read as e4m3 are 2^-6 of their values
-UE8M0_NAN = tl.constexpr(255)
 
 
 @triton.jit
@@ -61,10 +61,7 @@ def _mxfp4_chunk(packed_ptr, data_row, scale_ptr, scale_row, rows_ok, chunk):
                    mask=rows_ok[:, None], other=0)
     code = byte >> ((element % 2) * 4).to(tl.uint8)  # bits 3..0: this element's code
     values = (((code << 2) & 0x1C) | ((code << 4) & 0x80)).to(tl.float8e4nv, bitcast=True)
-    e = tl.load(scale_ptr + scale_row + chunk, mask=rows_ok, other=127).to(tl.int32)
-    scale = tl.where(e > 0, (e << 23).to(tl.float32, bitcast=True), 2.0**-127)
-    scale = tl.where(e == UE8M0_NAN, float("nan"), scale)
-    return values, scale
+    return values, ue8m0_decode(tl.load(scale_ptr + scale_row + chunk, mask=rows_ok, other=127))
 
 
 @triton.jit

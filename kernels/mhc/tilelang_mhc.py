@@ -39,6 +39,7 @@ runs are bitwise identical.
 import tilelang.language as T
 import torch
 from flashkern.autotune.space import Space
+from flashkern.kernels import next_power_of_2
 from flashkern.kernels._tilelang import Flavour
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
@@ -51,13 +52,9 @@ from flashkern.reference.mhc import COLLAPSES
 CARRIED, STREAM0 = COLLAPSES.index("carried"), COLLAPSES.index("stream0")  # the epilogue's `collapse` flag
 
 
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
 def _mix_slots(streams: int) -> int:
     """GEMM output columns: the (2 + n) n mixes padded to a power of two of at least 32."""
-    return max(32, _pow2((2 + streams) * streams))
+    return max(32, next_power_of_2((2 + streams) * streams))
 
 
 def _split_plan(hidden, config: dict):
@@ -200,7 +197,7 @@ def _gemm_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bo
 
     post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way.
     """
-    n, M, MP, NS = problem.streams, problem.mixes, _mix_slots(problem.streams), _pow2(problem.streams)
+    n, M, MP, NS = problem.streams, problem.mixes, _mix_slots(problem.streams), next_power_of_2(problem.streams)
     BT, BD = config["block_t"], config["block_d"]
     K = NS * BD
     NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
@@ -460,7 +457,7 @@ def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, 
 
 def _gemm_loads(problem: MhcProblem, config: dict) -> tuple[int, int]:
     """Per-thread loads of one GEMM-stage step: (x elements, fn elements)."""
-    per_step = config["block_d"] * _pow2(problem.streams)
+    per_step = config["block_d"] * next_power_of_2(problem.streams)
     return (config["block_t"] * config["block_d"] // config["threads"],
             _mix_slots(problem.streams) * per_step // config["threads"])
 

@@ -39,6 +39,7 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
+from flashkern.kernels import next_power_of_2
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.mhc.problem import empty_partials, split_plan
 from flashkern.reference.mhc import mix_width
@@ -237,12 +238,12 @@ def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_pt
 
 
 def _streams(n: int) -> dict:
-    return dict(N=n, NP=triton.next_power_of_2(n))
+    return dict(N=n, NP=next_power_of_2(n))
 
 
 def _mix_pad(n: int) -> int:
     """Mixes padded to a power of two >= 16 (tl.dot's smallest N side)."""
-    return max(16, triton.next_power_of_2(mix_width(n)))
+    return max(16, next_power_of_2(mix_width(n)))
 
 
 def plan_sinkhorn(problem, inputs: dict, config: dict, out):
@@ -328,7 +329,7 @@ GEMM_VALUES_PER_THREAD = 24
 
 
 def _sinkhorn_values_per_thread(problem, config) -> int:
-    return config["block_b"] * triton.next_power_of_2(problem.n) ** 2 // (32 * config["num_warps"])
+    return config["block_b"] * next_power_of_2(problem.n) ** 2 // (32 * config["num_warps"])
 
 
 SINKHORN_SPACE = Space(
@@ -342,8 +343,8 @@ def sinkhorn_default(problem) -> dict:
     """GPU: 4 warps, 4 values per thread, fewer matrices per program while that leaves under 2 programs per SM.
     Interpreter (each tl op costs about the same whatever its size): up to 1024 matrices per program."""
     if flashkern.triton_interpreted():
-        return {"block_b": min(1024, triton.next_power_of_2(max(1, problem.matrices))), "num_warps": 4}
-    block_b = max(1, 512 // triton.next_power_of_2(problem.n) ** 2)
+        return {"block_b": min(1024, next_power_of_2(max(1, problem.matrices))), "num_warps": 4}
+    block_b = max(1, 512 // next_power_of_2(problem.n) ** 2)
     while block_b > 1 and triton.cdiv(problem.matrices, block_b) < 2 * SMS:
         block_b //= 2
     return {"block_b": block_b, "num_warps": 4}
@@ -355,11 +356,11 @@ INTERPRETED_TILE = 2**16  # values per interpreted tile: large enough that the p
 
 def _interpreted_tokens(problem, width: int) -> int:
     """Tokens per program under the interpreter: as many as fit a tile of `width` values each (at most 64)."""
-    return max(1, min(64, triton.next_power_of_2(max(1, problem.tokens)), INTERPRETED_TILE // width))
+    return max(1, min(64, next_power_of_2(max(1, problem.tokens)), INTERPRETED_TILE // width))
 
 
 def _post_values_per_thread(problem, config) -> int:
-    tile = config["block_t"] * triton.next_power_of_2(problem.streams) * config["block_d"]
+    tile = config["block_t"] * next_power_of_2(problem.streams) * config["block_d"]
     return tile // (32 * config["num_warps"])
 
 
@@ -367,7 +368,7 @@ POST_SPACE = Space(
     params={"block_t": TOKEN_BLOCKS, "block_d": tuple(2**e for e in range(6, 13)), "num_warps": (1, 2, 4, 8)},
     gpu_only=("num_warps",),
     constraints={"block_t x n x block_d <= 2^20 (Triton's largest tensor)":
-                 lambda p, c: c["block_t"] * triton.next_power_of_2(p.streams) * c["block_d"] <= MAX_NUMEL},
+                 lambda p, c: c["block_t"] * next_power_of_2(p.streams) * c["block_d"] <= MAX_NUMEL},
     limits={"block_t x n x block_d / threads <= 64 (registers)":
             lambda p, c: _post_values_per_thread(p, c) <= 64},
 )
@@ -376,9 +377,9 @@ POST_SPACE = Space(
 def post_default(problem) -> dict:
     """GPU: a token per program on 4 warps, 16 values per thread, narrower tiles (down to 128 columns) while under
     2 programs per SM. Interpreter: up to 4096 columns and 2^16 values per program."""
-    np_ = triton.next_power_of_2(problem.streams)
+    np_ = next_power_of_2(problem.streams)
     if flashkern.triton_interpreted():
-        block_d = max(64, min(4096, triton.next_power_of_2(problem.hidden)))
+        block_d = max(64, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": _interpreted_tokens(problem, np_ * block_d), "block_d": block_d, "num_warps": 4}
     block_d = max(64, 2048 // np_)
     while block_d > 128 and problem.tokens * triton.cdiv(problem.hidden, block_d) < 2 * SMS:
@@ -388,7 +389,7 @@ def post_default(problem) -> dict:
 
 def _dot_k(problem, config) -> int:
     """The GEMM stage's reduction length per step, NP x block_d."""
-    return triton.next_power_of_2(problem.streams) * config["block_d"]
+    return next_power_of_2(problem.streams) * config["block_d"]
 
 
 def _gemm_values(problem, config) -> int:
@@ -399,7 +400,7 @@ def _gemm_values(problem, config) -> int:
 def _epilogue_values_per_thread(problem, config) -> int:
     """The [epi_block_t, NP, epi_block_d] tile per thread, counted at NP >= 4 (the [epi_block_d] vectors weigh as
     much)."""
-    tile = config["epi_block_t"] * max(4, triton.next_power_of_2(problem.streams)) * config["epi_block_d"]
+    tile = config["epi_block_t"] * max(4, next_power_of_2(problem.streams)) * config["epi_block_d"]
     return tile // (32 * config["epi_warps"])
 
 
@@ -413,7 +414,7 @@ PRE_SPACE = Space(
         "x and fn tiles <= 2^20 values (Triton's largest tensor)":
             lambda p, c: _dot_k(p, c) * max(c["block_t"], _mix_pad(p.streams)) <= MAX_NUMEL,
         "epi_block_t x n x epi_block_d <= 2^20 (Triton's largest tensor)":
-            lambda p, c: c["epi_block_t"] * triton.next_power_of_2(p.streams) * c["epi_block_d"] <= MAX_NUMEL,
+            lambda p, c: c["epi_block_t"] * next_power_of_2(p.streams) * c["epi_block_d"] <= MAX_NUMEL,
     },
     limits={
         f"n x block_d x (block_t + mixes) / threads <= {GEMM_VALUES_PER_THREAD} (registers)":
@@ -433,11 +434,11 @@ def pre_default(problem) -> dict:
     block_d steps per split; the epilogue a token per program at 32 values per thread on 4 warps. Interpreter: one
     split and the widest tiles, 2^16 values of tokens per epilogue program (each tl op costs about the same whatever
     its size)."""
-    np_ = triton.next_power_of_2(problem.streams)
-    block_t = max(16, min(64, triton.next_power_of_2(max(1, problem.tokens))))
+    np_ = next_power_of_2(problem.streams)
+    block_t = max(16, min(64, next_power_of_2(max(1, problem.tokens))))
     if flashkern.triton_interpreted():
-        block_d = max(16, min(512, triton.next_power_of_2(problem.hidden)))
-        epi_block_d = max(128, min(4096, triton.next_power_of_2(problem.hidden)))
+        block_d = max(16, min(512, next_power_of_2(problem.hidden)))
+        epi_block_d = max(128, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": block_t, "block_d": block_d, "split_k": 1, "num_warps": 8, "num_stages": 2,
                 "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
                 "epi_warps": 4}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashkern.kernels import next_power_of_2
 from flashkern.reference.moe_route import group_form
 
 
@@ -78,10 +79,6 @@ def empty_outputs(problem: RouteProblem, inputs: dict, device) -> tuple[torch.Te
     return torch.empty(shape, dtype=torch.float32, device=device), torch.empty(shape, dtype=torch.int32, device=device)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class SlotLayout:
     """Experts laid out as power-of-two slots: slot g * group_width + j holds expert g * EG + j.
@@ -99,4 +96,4 @@ class SlotLayout:
 
 
 def slot_layout(routing: Routing) -> SlotLayout:
-    return SlotLayout(_next_power_of_2(routing.n_group), _next_power_of_2(routing.experts // routing.n_group))
+    return SlotLayout(next_power_of_2(routing.n_group), next_power_of_2(routing.experts // routing.n_group))
