@@ -73,7 +73,8 @@ def plan(op_names, preset: str = "smoke", sample: int = 2, seed: int = 0) -> lis
             for problem in op.presets[preset]:
                 with flashkern.planning_for_gpu():
                     default = impl.default_config(problem)
-                sampled = [c for c in impl.space.sample(problem, sample, seed) if c != default]
+                sampled = impl.space.sample_from([c for c in impl.space.configs(problem) if c != default], sample,
+                                                 seed) if sample else []
                 for config in (None, *sampled):
                     key = impl.kernel.build_key(problem, default if config is None else config)
                     if key not in seen:
