@@ -1,7 +1,9 @@
 """Hypothesis profiles: `ci` (fast, the default), `thorough` (local runs), `deep` (exhaustive sweeps: hundreds of
 examples from a random seed, run now and then), `gpu` (scripts/gpu_check.sh).
 
-Select with FLASHKERN_HYPOTHESIS_PROFILE=thorough (or pytest --hypothesis-profile=thorough).
+Select with FLASHKERN_HYPOTHESIS_PROFILE=thorough (or pytest --hypothesis-profile=thorough). `ci` and `gpu` are
+narrow: the specializations (compiled programs) a case selects come from the operators' presets
+(flashkern.kernels.cases); `thorough` and `deep` draw every combination.
 The suite runs in checked mode (index values checked on every call; flashkern.checks) unless
 FLASHKERN_CHECKED=0 is set; tests of the default mode turn it off where they need to.
 """

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashkern
@@ -92,3 +92,29 @@ def test_driver_queries_fail_softly_without_a_driver():
     if torch.cuda.is_available():
         pytest.skip("a CUDA driver is present")
     assert devices._driver_attributes(0) == {}
+
+
+@pytest.mark.parametrize("name", ["paged_mqa_logits", "sparse_mqa_logits", "topk_indices"])
+def test_narrow_profiles_draw_the_presets_specializations_and_wide_ones_every_kind(name):
+    """Under `ci` every drawn case compiles one of the preset specializations (kernels/cases.py); under `thorough`
+    the same strategy draws others too."""
+    op = registry.get(name)
+    pool = {problem.specialization() for problems in op.presets.values() for problem in problems}
+    if name == "sparse_mqa_logits":  # the narrow draw caps n_blocks at the strategy's 40
+        pool = {p.__class__(**{**p.__dict__, "n_blocks": min(p.n_blocks, 40)}) for p in pool}
+    previous, drawn = settings.get_current_profile_name(), {}
+    for profile in ("ci", "thorough"):
+        settings.load_profile(profile)
+        try:
+            seen = drawn[profile] = set()
+
+            @settings(max_examples=30, derandomize=True, database=None)
+            @given(inputs=op.cases())
+            def collect(inputs):
+                seen.add(op.check(inputs).specialization())
+
+            collect()
+        finally:
+            settings.load_profile(previous)
+    assert drawn["ci"] and drawn["ci"] <= pool
+    assert drawn["thorough"] - pool

@@ -16,7 +16,9 @@ arguments of the entry point; the default strategy of each operator (its record'
                      ragged row ends (one full row), the value modes and dtypes of topk_cases
   sparse_cases()     sparse_mqa_logits: an indexer and key ranges as logits_cases, per row distinct candidate block
                      ids in random order (some past the row's range), -1 padded, and top_k 1 to 512
-Tensors come from a drawn seed, so failures shrink to small shapes; note() describes each case.
+Tensors come from a drawn seed, so failures shrink to small shapes; note() describes each case. Narrow runs (the
+`ci` profile, kernels/cases.py) draw the specializing choices (indexer, next_n, block size, k, flags, logits dtype)
+as combinations of the operator's presets, and the rest as above.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from hypothesis import note
 from hypothesis import strategies as st
 
+from flashkern.kernels.cases import preset_pool, seeded, specialization
 from flashkern.kernels.indexer.problem import Indexer, causal_ends
 from flashkern.reference import indexer as ref
 
@@ -35,8 +38,8 @@ LOGITS_DTYPES = st.sampled_from([torch.float32, torch.float32, torch.bfloat16]) 
 VALUE_MODES = ("normal", "ties", "extreme", "nan")
 
 
-def _seed(draw) -> torch.Generator:
-    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+def _logits_dtype(problem) -> torch.dtype:
+    return torch.bfloat16 if problem.bf16_logits else torch.float32
 
 
 def quantized(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen, magnitude: float) -> dict:
@@ -100,13 +103,14 @@ def candidate_lists(gen, ke: torch.Tensor, n_blocks: int, block: int, keys: int)
 @st.composite
 def logits_cases(draw):
     """mqa_logits inputs (the default strategy of the operator: `flashkern check mqa_logits`)."""
-    indexer = draw(INDEXERS)
+    indexer, logits_dtype = specialization(draw, st.tuples(INDEXERS, LOGITS_DTYPES), preset_pool(
+        "mqa_logits", lambda p: (p.indexer, _logits_dtype(p))))
     rows = draw(st.one_of(st.integers(1, 8), st.integers(9, 70)))
     keys = draw(st.one_of(st.integers(1, 40), st.integers(41, 700)))
-    gen = _seed(draw)
+    gen = seeded(draw)
     inputs = quantized(indexer, (rows,), (keys,), gen, draw(st.sampled_from([1.0, 1e-3, 300.0])))
     inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
-    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
+    inputs["logits_dtype"] = logits_dtype
     note(f"{indexer} rows={rows} keys={keys} {inputs['logits_dtype']}")
     return inputs
 
@@ -114,10 +118,11 @@ def logits_cases(draw):
 @st.composite
 def paged_cases(draw):
     """paged_mqa_logits inputs (the default strategy of the operator: `flashkern check paged_mqa_logits`)."""
-    indexer = draw(INDEXERS)
-    batch, next_n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 6]))
-    block_size, max_blocks = draw(st.sampled_from([16, 64])), draw(st.integers(1, 6))
-    gen = _seed(draw)
+    indexer, next_n, block_size, lens_2d, logits_dtype = specialization(
+        draw, st.tuples(INDEXERS, st.sampled_from([1, 2, 6]), st.sampled_from([16, 64]), st.booleans(), LOGITS_DTYPES),
+        preset_pool("paged_mqa_logits", lambda p: (p.indexer, p.next_n, p.block_size, p.lens_2d, _logits_dtype(p))))
+    batch, max_blocks = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    gen = seeded(draw)
     cache_blocks = batch * max_blocks + draw(st.integers(0, 3))
     inputs = quantized(indexer, (batch, next_n), (cache_blocks, block_size), gen, 1.0)
     inputs["k_cache"] = inputs.pop("k")
@@ -127,11 +132,11 @@ def paged_cases(draw):
     table = torch.randperm(cache_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).int()
     used = torch.arange(max_blocks) * block_size < lens[:, None].long()
     inputs["block_table"] = torch.where(used, table, -7)  # entries past the context are garbage, never read
-    if draw(st.booleans()):  # per token [B, next_n]: up to the sequence's length, in any order; one full row
+    if lens_2d:  # per token [B, next_n]: up to the sequence's length, in any order; one full row
         lens = (torch.rand(batch, next_n, generator=gen) * (lens[:, None] + 1)).int().clamp(max=lens[:, None])
         lens[0, -1] = max_blocks * block_size
     inputs["context_lens"] = lens
-    inputs["logits_dtype"] = draw(LOGITS_DTYPES)
+    inputs["logits_dtype"] = logits_dtype
     note(f"{indexer} batch={batch} next_n={next_n} block_size={block_size} max_blocks={max_blocks} lens={lens.tolist()} "
          f"{inputs['logits_dtype']}")
     return inputs
@@ -140,15 +145,16 @@ def paged_cases(draw):
 @st.composite
 def topk_cases(draw, max_positions: int = 3000):
     """topk_indices inputs (the default strategy of the operator: `flashkern check topk_indices`)."""
+    k, has_starts, by_score, dtype = specialization(
+        draw, st.tuples(st.sampled_from([1, 7, 64, 512, 2048]), st.booleans(), st.booleans(), LOGITS_DTYPES),
+        preset_pool("topk_indices", lambda p: (p.k, p.has_starts, p.by_score, _logits_dtype(p))))
     rows = draw(st.integers(1, 24))
     positions = draw(st.one_of(st.integers(1, 40), st.integers(41, max_positions)))
-    k = draw(st.sampled_from([1, 7, 64, 512, 2048]))
     mode = draw(st.sampled_from(VALUE_MODES))
-    gen = _seed(draw)
+    gen = seeded(draw)
     ends = torch.randint(0, positions + 1, (rows,), generator=gen).int()
     ends[0] = positions
-    starts = (torch.rand(rows, generator=gen) * (ends + 1)).int().clamp(max=ends) if draw(st.booleans()) else None
-    by_score, dtype = draw(st.booleans()), draw(LOGITS_DTYPES)
+    starts = (torch.rand(rows, generator=gen) * (ends + 1)).int().clamp(max=ends) if has_starts else None
     note(f"rows={rows} positions={positions} k={k} mode={mode} starts={starts is not None} sorted={by_score} {dtype}")
     return dict(logits=selection_values(gen, rows, positions, mode).to(dtype), ends=ends, k=k, starts=starts,
                 sorted=by_score)
@@ -157,11 +163,13 @@ def topk_cases(draw, max_positions: int = 3000):
 @st.composite
 def candidate_cases(draw):
     """candidate_blocks inputs (the default strategy of the operator: `flashkern check candidate_blocks`)."""
+    n_blocks, block, dtype = specialization(
+        draw, st.tuples(st.sampled_from([1, 5, 64, 2048]), st.sampled_from([8, 4]), LOGITS_DTYPES),
+        preset_pool("candidate_blocks", lambda p: (p.n_blocks, p.block, _logits_dtype(p))))
     rows = draw(st.integers(1, 16))
     positions = draw(st.one_of(st.integers(1, 40), st.integers(41, 4000)))
-    n_blocks, block = draw(st.sampled_from([1, 5, 64, 2048])), draw(st.sampled_from([8, 4]))
-    mode, dtype = draw(st.sampled_from(VALUE_MODES)), draw(LOGITS_DTYPES)
-    gen = _seed(draw)
+    mode = draw(st.sampled_from(VALUE_MODES))
+    gen = seeded(draw)
     row_end = torch.randint(0, positions + 1, (rows,), generator=gen).int()
     row_end[0] = positions
     note(f"rows={rows} positions={positions} n_blocks={n_blocks} block={block} mode={mode} {dtype}")
@@ -172,11 +180,11 @@ def candidate_cases(draw):
 @st.composite
 def sparse_cases(draw):
     """sparse_mqa_logits inputs (the default strategy of the operator: `flashkern check sparse_mqa_logits`)."""
-    indexer = draw(INDEXERS)
+    indexer, block, n_blocks, top_k = specialization(
+        draw, st.tuples(INDEXERS, st.sampled_from([8, 4]), st.integers(1, 40), st.sampled_from([1, 16, 64, 512])),
+        preset_pool("sparse_mqa_logits", lambda p: (p.indexer, p.block, min(p.n_blocks, 40), p.top_k)))
     rows, keys = draw(st.integers(1, 12)), draw(st.one_of(st.integers(1, 40), st.integers(41, 600)))
-    block, n_blocks = draw(st.sampled_from([8, 4])), draw(st.integers(1, 40))
-    top_k = draw(st.sampled_from([1, 16, 64, 512]))
-    gen = _seed(draw)
+    gen = seeded(draw)
     inputs = quantized(indexer, (rows,), (keys,), gen, 1.0)
     inputs["ks"], inputs["ke"] = _ranges(draw, gen, rows, keys)
     inputs.update(blocks=candidate_lists(gen, inputs["ke"], n_blocks, block, keys), top_k=top_k, block=block)

@@ -19,6 +19,7 @@ import torch
 from hypothesis import note
 from hypothesis import strategies as st
 
+from flashkern.kernels.cases import seeded
 from flashkern.kernels.kv_cache.problem import paged
 from flashkern.reference import kv_cache as ref
 from flashkern.reference.formats import E2M1_GRID
@@ -92,7 +93,7 @@ def codec_cases(draw, op_name: str) -> dict:
     fmt = draw(st.sampled_from(tuple(FORMATS)), label="format")
     rows = draw(st.sampled_from([0, 1, 2, 5, 17, 33]), label="rows")
     mode = draw(st.sampled_from(VALUE_MODES), label="values")
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="seed"))
+    gen = seeded(draw, 2**16)
     latent = latent_values(gen, rows, fmt, mode)
     note(f"{op_name}: {rows} rows, {fmt}, {mode} values")
     if op_name == "quantize_kv":
@@ -143,7 +144,7 @@ def attention_cases(draw) -> dict:
     mode = draw(st.sampled_from(INDEX_MODES), label="indices")
     values = draw(st.sampled_from(["normal", "peaked", "extreme"]), label="values")
     block_size = draw(st.sampled_from([1, 16, 64]), label="block_size")
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="seed"))
+    gen = seeded(draw, 2**16)
 
     kv_slots = draw(st.sampled_from([topk, topk + 9, 3 * topk]), label="kv slots")
     latent = latent_values(gen, kv_slots, kv_format, "extreme" if values == "extreme" else "normal")

@@ -11,6 +11,9 @@ pre-mix, stream 0) where the operator has a pre; its realistic inputs (Operator.
 modes: normal; large epsilons and few iterations, which make every epsilon and the iteration order visible; all-zero
 token rows; huge magnitudes; a token row holding NaN or inf, which must stay in its row.
 
+Narrow runs (the `ci` profile, kernels/cases.py): n from NARROW_N; hidden from NARROW_HIDDEN with the streams, norm
+and collapse of the operator's presets, and no model widths (the model-chain tests run those).
+
 Tensors are on the CPU (callers move them); each case is described with hypothesis.note.
 """
 
@@ -21,23 +24,22 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from flashkern import registry
+from flashkern.kernels.cases import narrow, seeded, specialization
 from flashkern.kernels.mhc.problem import MhcProblem
 from flashkern.reference.mhc import COLLAPSES
 
 ODD_HIDDEN = (1, 7, 37, 100, 256, 300)
+NARROW_HIDDEN = (37, 256)  # narrow runs: a tail off every tile and the smoke presets' width
+NARROW_N = (4, 7)  # narrow runs: the model's streams and an odd n
 VALUE_MODES = ("normal", "large_eps", "zero_rows", "huge", "nonfinite_row")
-
-
-def _seed(draw) -> torch.Generator:
-    return torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
 
 
 @st.composite
 def sinkhorn_cases(draw):
-    n = draw(st.integers(1, 8))
+    n = specialization(draw, st.integers(1, 8), lambda: NARROW_N)
     lead = draw(st.sampled_from([(), (1,), (37,), (3, 5), (130,)]))
     spread = draw(st.sampled_from([0.1, 2.0, 30.0]))
-    gen = _seed(draw)
+    gen = seeded(draw)
     x = spread * torch.randn(*lead, n, n, generator=gen)
     mode = draw(st.sampled_from(["normal", "ties", "huge"]))
     if mode == "ties":  # equal rows and equal entries
@@ -70,20 +72,22 @@ def apply_value_mode(gen: torch.Generator, inputs: dict, mode: str) -> dict:
 @st.composite
 def mhc_problems(draw, op: str):
     tokens = draw(st.integers(1, 24)) if draw(st.integers(0, 2)) else draw(st.integers(25, 300))
-    hidden = draw(st.sampled_from(ODD_HIDDEN))
-    if draw(st.integers(0, 9)) == 0:  # now and then a model width at a few tokens
+    has_pre = op != "mhc_post"
+    every = st.tuples(st.sampled_from(ODD_HIDDEN), st.sampled_from([4, 4, 4, 2, 1, 8]),
+                      st.booleans() if has_pre else st.just(False), st.sampled_from(COLLAPSES if has_pre else ["fresh"]))
+    presets = registry.get(op).presets
+    hidden, streams, has_norm, collapse = specialization(draw, every, lambda: [
+        (hidden, p.streams, p.has_norm, p.collapse) for hidden in NARROW_HIDDEN for ps in presets.values() for p in ps])
+    if not narrow() and draw(st.integers(0, 9)) == 0:  # now and then a model width at a few tokens
         tokens, hidden = draw(st.integers(1, 3)), draw(st.sampled_from([4096, 5120, 7168]))
-    streams = draw(st.sampled_from([4, 4, 4, 2, 1, 8]))
-    if op == "mhc_post":
-        return MhcProblem(tokens, hidden, streams)
-    return MhcProblem(tokens, hidden, streams, has_norm=draw(st.booleans()), collapse=draw(st.sampled_from(COLLAPSES)))
+    return MhcProblem(tokens, hidden, streams, has_norm=has_norm, collapse=collapse)
 
 
 @st.composite
 def mhc_cases(draw, op: str):
     """Inputs of mhc_pre, mhc_post or mhc_post_pre (op): made for a drawn problem, in a drawn value mode."""
     problem = draw(mhc_problems(op))
-    gen = _seed(draw)
+    gen = seeded(draw)
     inputs = registry.get(op).make_inputs(problem, "cpu", seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
     mode = draw(st.sampled_from(VALUE_MODES))
     note(f"{problem.key} mode={mode}")
