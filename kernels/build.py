@@ -2,17 +2,22 @@
 kernel, and the traffic record the performance model (flashkern.model) reads.
 
 Both paths go through PTX and end in ptxas (TileLang's CUDA source through nvcc -ptx, Triton's own PTX), so one
-parser reads both `-v` outputs and one census reads both PTX texts.
+parser reads both `-v` outputs and one census reads both PTX texts. Reports of slow builds (TileLang's: lowering
+and nvcc take 2-25 s) are kept on disk by `cached_report`; Triton keeps its own cache of compiled kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 
 _MMA_TYPES = (("e4m3", "fp8"), ("e5m2", "fp8"), ("bf16", "bf16"), ("f16", "fp16"), ("tf32", "tf32"), ("s8", "int8"))
@@ -106,6 +111,56 @@ class BuildReport:
     def wgmma(self) -> bool:
         """Hopper warpgroup MMA present in the generated code."""
         return self.census.wgmma > 0
+
+
+    @staticmethod
+    def from_dict(values: dict) -> BuildReport:
+        """The inverse of dataclasses.asdict."""
+        return BuildReport(**{**values, "census": Census(**values["census"])})
+
+
+CACHE_ENV = "FLASHKERN_BUILD_CACHE"  # a folder for build reports, or "off"
+
+
+def source_digest(module_file: str) -> str:
+    """sha256 of a module's source: a cache key part that changes whenever the module does."""
+    return hashlib.sha256(Path(module_file).read_bytes()).hexdigest()
+
+
+_THIS_SOURCE = source_digest(__file__)  # how reports are read and stored
+
+
+def cache_dir() -> Path | None:
+    """Where build reports are kept: $FLASHKERN_BUILD_CACHE, else <user cache dir>/flashkern/sm90-builds; None
+    when the variable is "off"."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen == "off":
+        return None
+    if chosen:
+        return Path(chosen)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("flashkern")) / "sm90-builds"
+
+
+def cached_report(depends_on: tuple, build: Callable[[], BuildReport]) -> BuildReport:
+    """build()'s report, or the stored report of an earlier build with the same `depends_on` (everything the build
+    reads: the kernel's IR text, the options, the compiler versions and the building code's source). A failed build
+    stores nothing; a stored file that cannot be read is built again and replaced."""
+    folder = cache_dir()
+    if folder is None:
+        return build()
+    path = folder / (hashlib.sha256(repr((_THIS_SOURCE, depends_on)).encode()).hexdigest() + ".json")
+    try:
+        return BuildReport.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    report = build()
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+        json.dump(dataclasses.asdict(report), f)
+    os.replace(f.name, path)  # whole or absent, with concurrent builders of the same kernel
+    return report
 
 
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")

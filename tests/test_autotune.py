@@ -5,6 +5,7 @@ Triton is only checked). Store robustness is tested with real processes: SIGKILL
 middle of a sweep, two tuners on one store, a corrupt file.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import time
 
 import pytest
 import torch
+from filelock import FileLock
 
 import flashkern.ops
 from flashkern import device as devices
@@ -23,7 +25,7 @@ from flashkern import dispatch, registry
 from flashkern.autotune import identity
 from flashkern.autotune import store as st
 from flashkern.autotune import table as tables
-from flashkern.autotune.tuner import Tuner
+from flashkern.autotune.tuner import Summary, Tuner
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem
 
 OP = registry.get("moe_route")
@@ -40,11 +42,17 @@ def tune(path, problems=SHAPES, **kw):
                      max_configs=kw.pop("max_configs", 3), **kw).tune("moe_route", problems)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tuned(tmp_path_factory):
-    """A store tuned once for SHAPES, and the summary of that sweep."""
-    path = tmp_path_factory.mktemp("store") / "tuning.sqlite3"
-    return path, tune(path)
+    """A store tuned once for SHAPES, and the summary of that sweep: once per test session, shared by the xdist
+    workers (the first to take the lock tunes; the others read its summary), as the tests only read the store."""
+    shared = tmp_path_factory.getbasetemp()  # under xdist each worker's own folder, in the session's:
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    path, saved = shared / "tuned.sqlite3", shared / "tuned-summary.json"
+    with FileLock(str(shared / "tuned.lock")):
+        if not saved.exists():
+            saved.write_text(json.dumps(dataclasses.asdict(tune(path))))
+        return path, Summary(**json.loads(saved.read_text()))
 
 
 def test_a_sweep_stores_every_candidate_and_decides_every_shape(tuned):
@@ -294,8 +302,8 @@ def test_sweep_killed_with_sigkill_resumes_and_loses_nothing(tmp_path):
 
 def test_two_tuners_on_one_store_both_keep_every_result(tmp_path):
     db = tmp_path / "t.sqlite3"
-    first = _cli("tune", "moe_route", "--shapes", "1", "--budget", "0.02", "--max-configs", "2", "--jobs", "1", db=db)
-    second = _cli("tune", "moe_route", "--shapes", "99", "--budget", "0.02", "--max-configs", "2", "--jobs", "1", db=db)
+    first = _cli("tune", "moe_route", "--shapes", "1", "--budget", "0.02", "--max-configs", "1", "--jobs", "1", db=db)
+    second = _cli("tune", "moe_route", "--shapes", "99", "--budget", "0.02", "--max-configs", "1", "--jobs", "1", db=db)
     outs = [p.communicate(timeout=600)[0] for p in (first, second)]
     assert first.returncode == 0 and second.returncode == 0, outs
     with st.Store(db) as store:
@@ -369,7 +377,7 @@ def test_report_compares_backends_and_writes_a_plot(tuned, tmp_path):
 
 def test_tune_command_prints_the_table_and_resumes(tmp_path):
     db = tmp_path / "t.sqlite3"
-    args = ("tune", "moe_route", "--shapes", "3", "--budget", "0.02", "--max-configs", "2", "--jobs", "1")
+    args = ("tune", "moe_route", "--shapes", "3", "--budget", "0.02", "--max-configs", "1", "--jobs", "1")
     first = _cli(*args, db=db)
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0 and "backend='auto'" in out, out

@@ -70,6 +70,34 @@ def test_tilelang_builds_are_skipped_not_passed_without_nvcc(monkeypatch):
     assert result.skipped and not result.ok and "nvcc" in result.error
 
 
+def test_tilelang_build_reports_are_kept_and_rebuilt_when_what_they_depend_on_changes(tmp_path, monkeypatch):
+    """A report is stored once and read back without lowering again; other pass options, an unreadable file or the
+    cache turned off build again."""
+    import tilelang.language as T
+
+    from flashkern.kernels import _tilelang as tl
+    from flashkern.kernels._tilelang import codecs
+    from flashkern.kernels.build import CACHE_ENV
+
+    if nvcc_path() is None:
+        pytest.skip("nvcc not found: no TileLang sm_90a build to keep")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    func = codecs.codec_prim_func("e4m3", "decode", parallel=T.Parallel, block=128)
+    first = tl.build_sm90(func)
+    (stored,) = tmp_path.glob("*.json")
+    assert first.registers > 0 and first.threads == 128
+    lowered, lower = [], tl.lower_sm90
+    monkeypatch.setattr(tl, "lower_sm90", lambda *args: lowered.append(args) or lower(*args))
+    assert tl.build_sm90(func) == first and not lowered  # kept
+    tl.build_sm90(func, {"tl.disable_tma_lower": True})
+    assert len(lowered) == 1 and len(list(tmp_path.glob("*.json"))) == 2  # other options: another build
+    stored.write_text("{ not a report")
+    assert tl.build_sm90(func) == first and len(lowered) == 2  # unreadable: built again and replaced
+    assert tl.build_sm90(func) == first and len(lowered) == 2
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert tl.build_sm90(func) == first and len(lowered) == 3
+
+
 SPECIALIZATION_CHECK = """
 import json
 from triton.backends.compiler import BaseBackend

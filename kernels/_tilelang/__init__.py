@@ -29,13 +29,14 @@ import tilelang.language as T
 import torch
 
 from flashkern.kernels._tilelang import codecs
-from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble
+from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble, cached_report, source_digest
 
 logging.getLogger("tilelang").setLevel(logging.WARNING)  # "begins/completes to compile" at INFO
 
 CPU_PASS_CONFIGS = {"tirx.disable_vectorize": True}  # math inside auto-vectorized loops fails on the C target
 CPU_COMPILE_FLAGS = ["-O2"]  # the C compiler otherwise runs at -O0 (about 13x slower)
 SM90_ARCH = "sm_90a"  # "sm_90" compiles but emits no wgmma
+_THIS_SOURCE = source_digest(__file__)  # how kernels are lowered and built
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,22 @@ def _include_dirs() -> list[str]:
     return [os.path.join(root, "src"), os.path.join(root, "3rdparty", "cutlass", "include")]
 
 
+@functools.cache
+def _nvcc_version() -> str:
+    nvcc = nvcc_path()
+    return "" if nvcc is None else subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+
+
 def build_sm90(prim_func, pass_configs: dict | None = None) -> BuildReport:
     """Lower for sm_90a, compile to PTX and assemble with nvcc; report registers, spills, shared memory and the
-    PTX census."""
+    PTX census. Reports are kept on disk (kernels.build.cached_report), keyed on the kernel's TIR, the pass
+    options, TileLang's and nvcc's versions and this module's source."""
+    depends_on = (prim_func.script(), sorted((pass_configs or {}).items()), SM90_ARCH, tilelang.__version__,
+                  _nvcc_version(), _THIS_SOURCE)
+    return cached_report(depends_on, lambda: _build_sm90(prim_func, pass_configs))
+
+
+def _build_sm90(prim_func, pass_configs: dict | None) -> BuildReport:
     source, dyn_smem, threads = lower_sm90(prim_func, pass_configs)
     nvcc = nvcc_path()
     if nvcc is None:
