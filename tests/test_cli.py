@@ -69,7 +69,7 @@ def test_a_preset_runs_the_operators_that_have_it_and_names_the_others(capsys):
 
 def test_compile_check_command_exits_zero_and_writes_json(tmp_path):
     out = tmp_path / "builds.json"
-    proc = run_cli("compile-check", "sinkhorn", "--sample", "0", "--json", str(out))  # the quickest builds
+    proc = run_cli("compile-check", "sinkhorn", "--sample", "0", "--jobs", "1", "--json", str(out))  # the quickest builds
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert rows and all(r["ok"] or r["skipped"] for r in rows)

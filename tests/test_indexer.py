@@ -60,7 +60,7 @@ def test_reference_selection_passes_the_oracle(name, data):
 
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", sorted(CASES))
-@fraction_of_examples(1 / 3)
+@fraction_of_examples(1 / 4)
 @given(data=st.data())
 def test_sampled_configs_match_reference(name, backend, data):
     """Any config of the tuning space (not only the default) is correct."""

@@ -141,7 +141,7 @@ def test_strided_arguments_padded_and_the_rest_offset(name, backend):
 
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", sorted(STRIDED))
-@fraction_of_examples(1 / 3)
+@fraction_of_examples(1 / 4)
 @given(data=st.data())
 def test_drawn_accepted_layouts_match_the_reference(name, backend, data):
     """Each STRIDED argument in a drawn view (padded, offset, permuted or expanded, where its rank allows), each

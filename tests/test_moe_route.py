@@ -49,7 +49,7 @@ def test_moe_route_gate_matches_reference(backend, inputs):
 
 @pytest.mark.parametrize("op", (MOE_ROUTE, MOE_ROUTE_GATE), ids=lambda op: op.name)
 @pytest.mark.parametrize("backend", KERNELS)
-@fraction_of_examples(1 / 3)
+@fraction_of_examples(1 / 4)
 @given(data=st.data())
 def test_sampled_configs_match_reference(op, backend, data):
     """Any config of the tuning space (not only the default) gives correct routing."""
