@@ -1,7 +1,7 @@
 """Example budgets for expensive property tests, scaled from the active hypothesis profile.
 
 Each drawn TileLang config is a C compile (about 15 s on CI's cores): tests that draw configs
-take a fraction of the profile's examples (a quarter: 3 of `ci`'s 12, 50 of `thorough`'s 200).
+take a fraction of the profile's examples (a quarter: 3 of `ci`'s 10, 50 of `thorough`'s 200).
 """
 
 from hypothesis import settings

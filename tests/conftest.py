@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=10,
     deadline=None,
     derandomize=True,  # CI failures reproduce exactly
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

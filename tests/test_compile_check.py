@@ -70,9 +70,34 @@ def test_tilelang_builds_are_skipped_not_passed_without_nvcc(monkeypatch):
     assert result.skipped and not result.ok and "nvcc" in result.error
 
 
-def test_tilelang_build_reports_are_kept_and_rebuilt_when_what_they_depend_on_changes(tmp_path, monkeypatch):
-    """A report is stored once and read back without lowering again; other pass options, an unreadable file or the
-    cache turned off build again."""
+def test_build_reports_are_kept_and_built_again_when_unreadable_or_turned_off(tmp_path, monkeypatch):
+    """kernels.build.cached_report: a report is stored once and read back without building; an unreadable file is
+    built again and replaced; other inputs are another entry; "off" always builds."""
+    from flashkern.kernels.build import CACHE_ENV, BuildReport, Census, cached_report
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    builds = []
+
+    def build():
+        builds.append(1)
+        return BuildReport(registers=40, spill_stores=8, smem=1024, threads=128, census=Census(wgmma=2, mma_input="fp8"))
+
+    first = cached_report(("tir", 1), build)
+    assert cached_report(("tir", 1), build) == first and len(builds) == 1  # kept
+    (stored,) = tmp_path.glob("*.json")
+    stored.write_text("{ not a report")
+    assert cached_report(("tir", 1), build) == first and len(builds) == 2  # unreadable: built again, replaced
+    assert cached_report(("tir", 1), build) == first and len(builds) == 2
+    cached_report(("tir", 2), build)
+    assert len(builds) == 3 and len(list(tmp_path.glob("*.json"))) == 2  # other inputs: another build
+    monkeypatch.setenv(CACHE_ENV, "off")
+    cached_report(("tir", 1), build)
+    assert len(builds) == 4
+
+
+def test_tilelang_build_reports_are_keyed_on_the_program_and_its_pass_options(tmp_path, monkeypatch):
+    """The second build of one TileLang program reads the stored report (nothing lowered); the same program with
+    other pass options is built."""
     import tilelang.language as T
 
     from flashkern.kernels import _tilelang as tl
@@ -82,20 +107,15 @@ def test_tilelang_build_reports_are_kept_and_rebuilt_when_what_they_depend_on_ch
     if nvcc_path() is None:
         pytest.skip("nvcc not found: no TileLang sm_90a build to keep")
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    func = codecs.codec_prim_func("e4m3", "decode", parallel=T.Parallel, block=128)
-    first = tl.build_sm90(func)
-    (stored,) = tmp_path.glob("*.json")
-    assert first.registers > 0 and first.threads == 128
     lowered, lower = [], tl.lower_sm90
     monkeypatch.setattr(tl, "lower_sm90", lambda *args: lowered.append(args) or lower(*args))
-    assert tl.build_sm90(func) == first and not lowered  # kept
+    func = codecs.codec_prim_func("e4m3", "decode", parallel=T.Parallel, block=128)
+    first = tl.build_sm90(func)
+    assert first.registers > 0 and first.threads == 128 and len(lowered) == 1
+    assert tl.build_sm90(codecs.codec_prim_func("e4m3", "decode", parallel=T.Parallel, block=128)) == first
+    assert len(lowered) == 1  # the same program, built anew by the factory: its stored report
     tl.build_sm90(func, {"tl.disable_tma_lower": True})
-    assert len(lowered) == 1 and len(list(tmp_path.glob("*.json"))) == 2  # other options: another build
-    stored.write_text("{ not a report")
-    assert tl.build_sm90(func) == first and len(lowered) == 2  # unreadable: built again and replaced
-    assert tl.build_sm90(func) == first and len(lowered) == 2
-    monkeypatch.setenv(CACHE_ENV, "off")
-    assert tl.build_sm90(func) == first and len(lowered) == 3
+    assert len(lowered) == 2
 
 
 SPECIALIZATION_CHECK = """
