@@ -8,7 +8,8 @@ the entry point; tensors come from a drawn seed, so failures shrink to small sha
                     arbitrary bytes (every code and scale byte, NaN scales included); kv_cache_insert writes into
                     a cache of garbage bytes with odd page sizes, -1 slots and some pages strided.
   attention_cases() sparse_decode_attention: tokens, heads, top-k and window sizes off every tile, both formats
-                    in either cache, sink and scale or not, index patterns (INDEX_MODES: random, all padding,
+                    in either cache, sink and scale or not (narrow runs, kernels/cases.py: heads, formats, window
+                    and sink as the presets have them), index patterns (INDEX_MODES: random, all padding,
                     duplicates, the same slot in both caches, mostly padding), peaked or extreme scores; every slot
                     no token selects holds a record that decodes to NaN, so a read of an unused slot shows.
 """
@@ -19,7 +20,7 @@ import torch
 from hypothesis import note
 from hypothesis import strategies as st
 
-from flashkern.kernels.cases import seeded
+from flashkern.kernels.cases import preset_pool, seeded, specialization
 from flashkern.kernels.kv_cache.problem import paged
 from flashkern.reference import kv_cache as ref
 from flashkern.reference.formats import E2M1_GRID
@@ -135,12 +136,13 @@ def _poison_unused(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 @st.composite
 def attention_cases(draw) -> dict:
-    tokens = draw(st.sampled_from([1, 1, 2, 3, 5]), label="tokens")
-    heads = draw(st.sampled_from([1, 3, 8, 16] + ([64] if tokens <= 2 else [])), label="heads")
+    heads, kv_format, swa_format, swa, sink = specialization(
+        draw, st.tuples(st.sampled_from([1, 3, 8, 16, 64]), st.sampled_from(tuple(FORMATS)),
+                        st.sampled_from(tuple(FORMATS)), st.booleans(), st.booleans()),
+        preset_pool("sparse_decode_attention", lambda p: (p.heads, p.kv_format, p.swa_format, p.swa, p.sink)))
+    tokens = draw(st.sampled_from([1, 1, 2] + ([] if heads == 64 else [3, 5])), label="tokens")  # 64 heads: CPU time
     topk = draw(st.sampled_from([1, 7, 16, 37, 64, 80]), label="topk")
-    window = draw(st.sampled_from([0, 1, 5, 16, 23]), label="window") if draw(st.booleans(), label="swa") else None
-    kv_format = draw(st.sampled_from(tuple(FORMATS)), label="kv_format")
-    swa_format = draw(st.sampled_from(tuple(FORMATS)), label="swa_format")
+    window = draw(st.sampled_from([0, 1, 5, 16, 23]), label="window") if swa else None
     mode = draw(st.sampled_from(INDEX_MODES), label="indices")
     values = draw(st.sampled_from(["normal", "peaked", "extreme"]), label="values")
     block_size = draw(st.sampled_from([1, 16, 64]), label="block_size")
@@ -153,7 +155,7 @@ def attention_cases(draw) -> dict:
     q = torch.randn(tokens, heads, LATENT, generator=gen) * (30.0 if values == "peaked" else 1.0)
     inputs = dict(q=q.to(torch.bfloat16), kv_cache=_poison_unused(kv_cache, indices), indices=indices,
                   swa_cache=None, swa_indices=None, kv_format=kv_format, swa_format=swa_format,
-                  sink=torch.randn(heads, generator=gen) * 2 if draw(st.booleans(), label="sink") else None,
+                  sink=torch.randn(heads, generator=gen) * 2 if sink else None,
                   scale=draw(st.sampled_from([None, 0.01, 0.125]), label="scale"))
     if window is not None:
         swa_slots = max(kv_slots if mode == "same_slot" else window + tokens, 1)
