@@ -1,9 +1,11 @@
 """Timing one call with well-kept timers at a fixed thread count: the median and its spread.
 
-CPU: `torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=budget)`. Its block-size
-estimate calls fn untimed first (the warm-up), then picks a block of calls long enough that the
-timer's own cost is under 0.01% of it and times blocks until `budget` seconds are spent; a
-sample is one block's time per call.
+CPU: `torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=budget / MIN_BLOCKS)`, then
+more blocks up to MIN_BLOCKS. Its block-size estimate calls fn untimed first (the warm-up), then
+grows the block tenfold until the timer's own cost is under 0.01% of it or one block outlasts
+min_run_time, so a block lasts up to 10x min_run_time; a sample is one block's time per call.
+(With min_run_time=budget, blocks of 100 ms answered a 20 ms budget for a 0.1 ms call: five
+blocks took 25 times the budget.)
 CUDA: `triton.testing.do_bench(fn, rep=budget, return_mode="all")`: untimed warm-up calls, then
 every call timed alone with CUDA events, each after a 256 MB write that evicts L2 (a cold cache,
 as when a layer's weights stream from HBM); a sample is one call. Not `do_bench_cudagraph`: it
@@ -82,7 +84,7 @@ def measure(fn, device, *, budget: float = 1.0, threads: int | None = None) -> T
             samples = [ms / 1e3 for ms in do_bench(fn, rep=budget * 1e3, return_mode="all")]
         return summarize(samples, len(samples), threads)
     timer = Timer("fn()", globals={"fn": fn}, num_threads=threads)
-    blocks = timer.blocked_autorange(min_run_time=budget)
+    blocks = timer.blocked_autorange(min_run_time=budget / MIN_BLOCKS)
     times = list(blocks.times)
     while len(times) < MIN_BLOCKS:  # a slow spell can fill the budget with one block: no spread to see
         times += timer.timeit(blocks.number_per_run).times
