@@ -94,7 +94,33 @@ def test_driver_queries_fail_softly_without_a_driver():
     assert devices._driver_attributes(0) == {}
 
 
-@pytest.mark.parametrize("name", ["paged_mqa_logits", "sparse_mqa_logits", "topk_indices"])
+def _specializations_drawn(op, profile: str, examples: int) -> set:
+    """The specializations of `examples` cases of op's strategy drawn under a hypothesis profile (each case must
+    pass the operator's checks)."""
+    previous, seen = settings.get_current_profile_name(), set()
+    settings.load_profile(profile)
+    try:
+        @settings(max_examples=examples, derandomize=True, database=None)
+        @given(inputs=op.cases())
+        def collect(inputs):
+            seen.add(op.check(inputs).specialization())
+
+        collect()
+    finally:
+        settings.load_profile(previous)
+    return seen
+
+
+@pytest.mark.parametrize("op", OPERATORS, ids=lambda op: op.name)
+def test_narrow_and_wide_draws_are_valid_inputs_and_wide_ones_vary_more(op):
+    """Every strategy draws inputs its operator accepts under the narrow (`ci`) and the wide (`thorough`) profile
+    (kernels/cases.py), and the wide draws select at least as many specializations."""
+    narrow_specs, wide_specs = _specializations_drawn(op, "ci", 8), _specializations_drawn(op, "thorough", 8)
+    assert narrow_specs and len(wide_specs) >= len(narrow_specs)
+
+
+@pytest.mark.parametrize("name", ["paged_mqa_logits", "sparse_mqa_logits", "topk_indices",
+                                  "sparse_decode_attention"])
 def test_narrow_profiles_draw_the_presets_specializations_and_wide_ones_every_kind(name):
     """Under `ci` every drawn case compiles one of the preset specializations (kernels/cases.py); under `thorough`
     the same strategy draws others too."""
@@ -102,19 +128,6 @@ def test_narrow_profiles_draw_the_presets_specializations_and_wide_ones_every_ki
     pool = {problem.specialization() for problems in op.presets.values() for problem in problems}
     if name == "sparse_mqa_logits":  # the narrow draw caps n_blocks at the strategy's 40
         pool = {p.__class__(**{**p.__dict__, "n_blocks": min(p.n_blocks, 40)}) for p in pool}
-    previous, drawn = settings.get_current_profile_name(), {}
-    for profile in ("ci", "thorough"):
-        settings.load_profile(profile)
-        try:
-            seen = drawn[profile] = set()
-
-            @settings(max_examples=30, derandomize=True, database=None)
-            @given(inputs=op.cases())
-            def collect(inputs):
-                seen.add(op.check(inputs).specialization())
-
-            collect()
-        finally:
-            settings.load_profile(previous)
-    assert drawn["ci"] and drawn["ci"] <= pool
-    assert drawn["thorough"] - pool
+    narrow_specs, wide_specs = _specializations_drawn(op, "ci", 20), _specializations_drawn(op, "thorough", 20)
+    assert narrow_specs and narrow_specs <= pool
+    assert wide_specs - pool
