@@ -2,7 +2,10 @@
 
 The source hash of an implementation covers the module that defines its kernel and, transitively,
 every flashkern.kernels module it uses (problem layout, the DSL's shared helpers, the codecs), so
-editing any of them makes earlier results stale. The reference is hashed from its own module.
+editing any of them makes earlier results stale. Two kinds of module are not kernel code and are not
+followed: the test-case strategies (`cases` modules), and the families that the root package
+`flashkern.kernels` holds as attributes once imported (it imports none itself), so editing one family
+leaves another's results current. The reference is hashed from its own module.
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ def library_versions() -> dict[str, str]:
             "flashkern": flashkern.__version__}
 
 
+def _is_kernel_code(module_name: str) -> bool:
+    return module_name.startswith(_KERNELS) and module_name.rpartition(".")[2] != "cases"
+
+
 def _module_closure(name: str) -> list[str]:
-    """`name` and every flashkern.kernels module it reaches through its globals."""
+    """`name` and every flashkern.kernels module of kernel code it reaches through its globals."""
     seen, todo = set(), [name]
     while todo:
         current = todo.pop()
@@ -39,8 +46,13 @@ def _module_closure(name: str) -> list[str]:
             continue
         seen.add(current)
         for value in vars(sys.modules[current]).values():
-            owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-            if isinstance(owner, str) and owner.startswith(_KERNELS):
+            if isinstance(value, types.ModuleType):
+                owner = value.__name__
+                if current == _KERNELS and owner.startswith(_KERNELS + "."):
+                    continue  # a family (or shared module) the import system set on the root package
+            else:
+                owner = getattr(value, "__module__", None)
+            if isinstance(owner, str) and _is_kernel_code(owner):
                 todo.append(owner)
     return sorted(seen)
 

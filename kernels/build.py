@@ -112,7 +112,6 @@ class BuildReport:
         """Hopper warpgroup MMA present in the generated code."""
         return self.census.wgmma > 0
 
-
     @staticmethod
     def from_dict(values: dict) -> BuildReport:
         """The inverse of dataclasses.asdict."""

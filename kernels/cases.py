@@ -7,7 +7,9 @@ suite's time). Sizes, values, index patterns and layouts are dynamic and cost no
 
   narrow runs (the `ci` and `gpu` hypothesis profiles): a strategy draws its specialization from those of the
       operator's presets (every preset, model sizes included: the formats, flags and heads the model runs, and the
-      smoke set chosen to cover the code paths) and draws everything else as usual;
+      smoke set chosen to cover the code paths; `preset_pool`) or, where presets do not fit the strategy, from a
+      short pool of its own (moe_route's NARROW_GATES, mhc's NARROW_N and NARROW_HIDDEN), and draws everything
+      else as usual;
   wide runs (`thorough`, `deep`, and `flashkern check`): every combination.
 """
 

@@ -161,3 +161,32 @@ def test_triton_builds_are_specialized_as_the_jit_specializes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches, mismatches = json.loads(proc.stdout.strip().splitlines()[-1])
     assert launches >= len(OPS) and not mismatches
+
+
+def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """TileLang writes each C compile's source and library to the temporary folder and keeps them; compile_cpu
+    removes them once the library is loaded (the program still runs)."""
+    import tempfile
+
+    import tilelang
+    import tilelang.language as T
+    import torch
+
+    from flashkern.kernels._tilelang import compile_cpu
+
+    @T.prim_func
+    def add_one(a: T.Tensor((8,), "float32"), b: T.Tensor((8,), "float32")):
+        with T.Kernel(1) as _:
+            for i in T.serial(8):
+                b[i] = a[i] + 1.0
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tilelang.disable_cache()  # a compile, not a cache hit
+    try:
+        kernel = compile_cpu(add_one)
+    finally:
+        tilelang.enable_cache()
+    a, b = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+    kernel(a, b)
+    assert torch.equal(b, a + 1)
+    assert tempfile.tempdir == str(tmp_path) and not list(tmp_path.iterdir())

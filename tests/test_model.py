@@ -194,3 +194,25 @@ def test_kernel_source_versions_do_not_depend_on_what_a_process_imported():
     found = [subprocess.run([sys.executable, "-c", VERSIONS, mode], capture_output=True, text=True, check=True)
              .stdout.strip().splitlines()[-1] for mode in ("bare", "busy")]
     assert found[0] == found[1]
+
+
+@pytest.mark.parametrize("op_name", ["moe_route", "mhc_pre", "sparse_mqa_logits", "sparse_decode_attention"])
+def test_kernel_source_versions_cover_kernel_code_only(op_name, monkeypatch):
+    """An implementation's version changes with its kernel module and the shared DSL modules, not with the test-case
+    strategies or another family's kernels: editing those must not make saved results and predictions stale."""
+    op = registry.get(op_name)
+    family = identity._entry_module(op, "triton").split(".")[2]
+    for impl in ("triton", "tilelang"):
+        closure = identity._module_closure(identity._entry_module(op, impl))
+        assert f"flashkern.kernels._{impl}" in closure and "flashkern.kernels.build" in closure
+        assert not [m for m in closure if m.endswith(".cases")], closure
+        others = [f for f in registry.FAMILIES if f != family]
+        assert not [m for m in closure if any(m.startswith(f"flashkern.kernels.{f}") for f in others)], closure
+    before = identity.source_versions(op)
+    identity.source_hash.cache_clear()
+    kernel_module = sys.modules[identity._entry_module(op, "triton")]
+    monkeypatch.setattr(identity.inspect, "getsource",
+                        lambda m, real=identity.inspect.getsource: real(m) + ("#" if m is kernel_module else ""))
+    after = identity.source_versions(op)
+    identity.source_hash.cache_clear()
+    assert after["triton"] != before["triton"] and after["reference"] == before["reference"]

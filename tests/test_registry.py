@@ -10,6 +10,7 @@ import flashkern.ops
 from flashkern import device as devices
 from flashkern import registry
 from flashkern.dispatch import resolve, rule_choice
+from flashkern.kernels.indexer.cases import MAX_SPARSE_N_BLOCKS
 
 OPERATORS = sorted(registry.operators().values(), key=lambda op: op.name)
 
@@ -126,8 +127,8 @@ def test_narrow_profiles_draw_the_presets_specializations_and_wide_ones_every_ki
     the same strategy draws others too."""
     op = registry.get(name)
     pool = {problem.specialization() for problems in op.presets.values() for problem in problems}
-    if name == "sparse_mqa_logits":  # the narrow draw caps n_blocks at the strategy's 40
-        pool = {p.__class__(**{**p.__dict__, "n_blocks": min(p.n_blocks, 40)}) for p in pool}
+    if name == "sparse_mqa_logits":  # the strategy cuts the presets' candidate lists
+        pool = {p.__class__(**{**p.__dict__, "n_blocks": min(p.n_blocks, MAX_SPARSE_N_BLOCKS)}) for p in pool}
     narrow_specs, wide_specs = _specializations_drawn(op, "ci", 20), _specializations_drawn(op, "thorough", 20)
     assert narrow_specs and narrow_specs <= pool
     assert wide_specs - pool

@@ -124,10 +124,18 @@ def row_strided(shape: tuple, dtype: str, name: str):
 
 
 def compile_cpu(prim_func):
-    """Compile a CPU-flavour kernel to C with optimization (TileLang caches it on disk too)."""
-    return tilelang.compile(
-        prim_func, target="c", pass_configs=CPU_PASS_CONFIGS, compile_flags=CPU_COMPILE_FLAGS
-    )
+    """Compile a CPU-flavour kernel to C with optimization (TileLang caches it on disk too).
+
+    TileLang 0.1.15 writes the C source and library of each compile to the temporary folder and never removes them
+    (thousands of files after a test run); they are written to a folder of ours, removed once the library is loaded
+    and copied to TileLang's cache."""
+    with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder:
+        shared_default, tempfile.tempdir = tempfile.tempdir, folder
+        try:
+            return tilelang.compile(prim_func, target="c", pass_configs=CPU_PASS_CONFIGS,
+                                    compile_flags=CPU_COMPILE_FLAGS)
+        finally:
+            tempfile.tempdir = shared_default
 
 
 def compile_cuda(prim_func, pass_configs: dict | None = None):

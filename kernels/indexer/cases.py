@@ -177,12 +177,16 @@ def candidate_cases(draw):
                 block=block)
 
 
+MAX_SPARSE_N_BLOCKS = 40  # candidate lists per row drawn for sparse_mqa_logits (presets' longer lists are cut to it)
+
+
 @st.composite
 def sparse_cases(draw):
     """sparse_mqa_logits inputs (the default strategy of the operator: `flashkern check sparse_mqa_logits`)."""
     indexer, block, n_blocks, top_k = specialization(
-        draw, st.tuples(INDEXERS, st.sampled_from([8, 4]), st.integers(1, 40), st.sampled_from([1, 16, 64, 512])),
-        preset_pool("sparse_mqa_logits", lambda p: (p.indexer, p.block, min(p.n_blocks, 40), p.top_k)))
+        draw, st.tuples(INDEXERS, st.sampled_from([8, 4]), st.integers(1, MAX_SPARSE_N_BLOCKS),
+                        st.sampled_from([1, 16, 64, 512])),
+        preset_pool("sparse_mqa_logits", lambda p: (p.indexer, p.block, min(p.n_blocks, MAX_SPARSE_N_BLOCKS), p.top_k)))
     rows, keys = draw(st.integers(1, 12)), draw(st.one_of(st.integers(1, 40), st.integers(41, 600)))
     gen = seeded(draw)
     inputs = quantized(indexer, (rows,), (keys,), gen, 1.0)
