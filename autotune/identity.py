@@ -46,12 +46,7 @@ def _module_closure(name: str) -> list[str]:
             continue
         seen.add(current)
         for value in vars(sys.modules[current]).values():
-            if isinstance(value, types.ModuleType):
-                owner = value.__name__
-                if current == _KERNELS and owner.startswith(_KERNELS + "."):
-                    continue  # a family (or shared module) the import system set on the root package
-            else:
-                owner = getattr(value, "__module__", None)
+            owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
             if isinstance(owner, str) and _is_kernel_code(owner):
                 todo.append(owner)
     return sorted(seen)

@@ -190,3 +190,34 @@ def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monke
     kernel(a, b)
     assert torch.equal(b, a + 1)
     assert tempfile.tempdir == str(tmp_path) and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("target, simplified", [("c", False), ("cuda", True)])
+def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, simplified):
+    """kernels._tilelang skips the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large
+    share of a C compile, folded by the C compiler anyway) and keeps it for CUDA, whose source GPU users get."""
+    import importlib
+
+    import tilelang.language as T
+    from tvm import IRModule, transform
+    from tvm.ir.instrument import pass_instrument
+    from tvm.target import Target
+
+    import flashkern.kernels._tilelang  # noqa: F401  (installs the skip)
+
+    @T.prim_func
+    def halves(a: T.Tensor((64,), "int32"), b: T.Tensor((64,), "int32")):
+        for i in T.serial(64):
+            b[i] = a[i] // 2 + a[i] % 2
+
+    ran = []
+
+    @pass_instrument
+    class Record:
+        def run_before_pass(self, mod, info):
+            ran.append(info.name)
+
+    module = IRModule({"halves": halves.with_attr("target", Target(target))})
+    with transform.PassContext(opt_level=3, instruments=[Record()]):
+        importlib.import_module("tilelang.engine.lower")._prepare_device_codegen_mod(module)
+    assert "tl.LowerIntrin" in ran and ("tirx.Simplify" in ran) == simplified, ran

@@ -39,7 +39,7 @@ runs are bitwise identical.
 import tilelang.language as T
 import torch
 from flashkern.autotune.space import Space
-from flashkern.kernels import next_power_of_2
+from flashkern.kernels.tiles import next_power_of_2
 from flashkern.kernels._tilelang import Flavour
 from flashkern.kernels.mhc.problem import (
     MhcProblem,

@@ -39,7 +39,7 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels import next_power_of_2
+from flashkern.kernels.tiles import next_power_of_2
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.mhc.problem import empty_partials, split_plan
 from flashkern.reference.mhc import mix_width

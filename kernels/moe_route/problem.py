@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashkern.kernels import next_power_of_2
+from flashkern.kernels.tiles import next_power_of_2
 from flashkern.reference.moe_route import group_form
 
 

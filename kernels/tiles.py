@@ -1,0 +1,7 @@
+"""Host-side tile arithmetic shared by the kernels' layouts, tuning rules and default configs."""
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1 (triton.next_power_of_2 is a constexpr function costing
+    microseconds a call, too slow for tuning-space rules tried 10^5 times)."""
+    return 1 << (n - 1).bit_length()
