@@ -196,8 +196,6 @@ def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monke
 def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, simplified):
     """kernels._tilelang skips the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large
     share of a C compile, folded by the C compiler anyway) and keeps it for CUDA, whose source GPU users get."""
-    import importlib
-
     import tilelang.language as T
     from tvm import IRModule, transform
     from tvm.ir.instrument import pass_instrument
