@@ -269,29 +269,34 @@ def model_markdown(records: list[dict], command: str) -> str:
 
     defaults = [r for r in records if r["default"]]
     device = next((r["device"] for r in defaults if "device" in r), "GPU")
-    lines = [f"Predicted by a model of the {device}, not measured (`{command}`; flashkern.model).", "",
-             "| operator | impl | shapes | roofline fraction | model µs | bytes / minimum | census |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [f"Predicted by a model of the {device}, not measured (`{command}`; flashkern.model). Kernel time "
+             "excludes the launch; the roofline fraction is the operator's roof over the kernel time.", "",
+             "| operator | impl | shapes | roofline fraction | kernel µs | bounds | bytes / minimum | census |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
     for op, impl in dict.fromkeys((r["op"], r["impl"]) for r in defaults):
         found = [r for r in defaults if (r["op"], r["impl"]) == (op, impl) and "model_seconds" in r]
         if not found:
-            lines.append(f"| {op} | {impl} | 0 | not modelled | | | |")
+            lines.append(f"| {op} | {impl} | 0 | not modelled | | | | |")
             continue
-        fractions, times = [r["roofline_fraction"] for r in found], [r["model_seconds"] * 1e6 for r in found]
+        fractions, times = [r["roofline_fraction"] for r in found], [r["kernel_seconds"] * 1e6 for r in found]
         census = Census.total(Census(**s["census"]) for s in found[-1]["stages"])
+        bounds = ", ".join(dict.fromkeys(r["bound"] for r in found))
         lines.append(f"| {op} | {impl} | {len(found)} | {min(fractions):.0%} - {max(fractions):.0%} | "
-                     f"{min(times):.1f} - {max(times):.1f} | {max(r['traffic_ratio'] for r in found):.2f} max | "
-                     f"{_census_text(census)} |")
-    lines += ["", "Per shape:", "",
-              "| operator | impl | shape | model µs | roof µs | roofline | bytes / minimum | CTAs | census |",
-              "|---|---|---|---:|---:|---:|---:|---:|---|"]
+                     f"{min(times):.1f} - {max(times):.1f} | {bounds} | {max(r['traffic_ratio'] for r in found):.2f} "
+                     f"max | {_census_text(census)} |")
+    lines += ["", "Per shape (launch: from the host / in a CUDA graph):", "",
+              "| operator | impl | shape | kernel µs | bound | + launch µs | graph µs | roof µs | roofline | "
+              "bytes / minimum | CTAs | census |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in defaults:
         if "model_seconds" not in r:
-            lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | not modelled: {r['error'][:60]} | | | | | |")
+            lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | not modelled: {r['error'][:60]} |"
+                         + " |" * 8)
             continue
         census = Census.total(Census(**s["census"]) for s in r["stages"])
-        lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | {r['model_seconds'] * 1e6:.1f} | "
-                     f"{r['roof_seconds'] * 1e6:.1f} | {r['roofline_fraction']:.0%} | {r['traffic_ratio']:.2f} | "
+        lines.append(f"| {r['op']} | {r['impl']} | {r['problem']} | {r['kernel_seconds'] * 1e6:.1f} | {r['bound']} | "
+                     f"{r['model_seconds'] * 1e6:.1f} | {r['graph_seconds'] * 1e6:.1f} | {r['roof_seconds'] * 1e6:.2f} "
+                     f"| {r['roofline_fraction']:.0%} | {r['traffic_ratio']:.2f} | "
                      f"{'+'.join(str(s['ctas']) for s in r['stages'])} | {_census_text(census)} |")
     return "\n".join(lines) + "\n"
 
@@ -309,27 +314,30 @@ def cmd_model(args) -> int:
     table = Table(title=f"{device.name} performance MODEL, not a measurement (flashkern.model; {args.preset} preset)",
                   title_justify="left")
     for col in ("operator", "impl", "problem", "config", "CTAs", "per SM", "fill", "MB moved", "x min", "census",
-                "model us", "roof us", "roofline"):
+                "kernel us", "bound", "+launch us", "graph us", "roof us", "roofline"):
         table.add_column(col, justify="left" if col in ("operator", "impl", "problem", "config", "census") else "right")
     for r in rows:
         config = "default" if r.default else ", ".join(f"{k}={v}" for k, v in r.config.items())
         p = r.prediction
         if p is None:
-            table.add_row(r.op, r.impl, r.problem.key, config, *["—"] * 5, "[red]not modelled[/red]", "—", "—", "—")
+            table.add_row(r.op, r.impl, r.problem.key, config, *["—"] * 5, "[red]not modelled[/red]", *["—"] * 6)
             continue
         widest = max(p.stages, key=lambda s: s.traffic.ctas)
         table.add_row(r.op, r.impl, r.problem.key, config, "+".join(str(s.traffic.ctas) for s in p.stages),
                       f"{widest.occupancy.ctas_per_sm} ({widest.occupancy.limiter})", f"{widest.fill:.0%}",
                       f"{p.traffic / 1e6:.2f}", f"{p.traffic_ratio:.2f}", _census_text(p.census),
-                      f"{p.seconds * 1e6:.1f}", f"{p.roof_seconds * 1e6:.2f}", f"{p.roofline_fraction:.1%}")
+                      f"{p.kernel_seconds * 1e6:.1f}", p.bound, f"{p.seconds * 1e6:.1f}", f"{p.graph_seconds * 1e6:.1f}",
+                      f"{p.roof_seconds * 1e6:.2f}", f"{p.roofline_fraction:.1%}")
     console.print(table)
     for r in rows:
         if r.prediction is None:
             console.print(f"[red]{r.op}/{r.impl} {escape(r.problem.key)}[/red]: {escape(r.error)}")
-    console.print(f"model: time = max(bytes / ({model.MEMORY_EFFICIENCY:.0%} of HBM), flops / ({model.MATH_EFFICIENCY:.0%} "
-                  f"of the peak of the arithmetic built)) / fill + {model.LAUNCH_SECONDS * 1e6:.0f} us per launch; roof = one "
-                  f"launch + the operator's bytes at HBM peak or flops at its arithmetic's peak; "
-                  f"device figures: {device.sources}")
+    console.print(f"model: kernel time = the longest of HBM (L2 misses at {model.MEMORY_EFFICIENCY:.0%} of peak), L2, "
+                  f"tensor ({model.MATH_EFFICIENCY:.0%} of the peak of the arithmetic built), all over the SM fill; "
+                  f"issue (the SASS per pipe over the busy sub-partitions) and latency (dependent global phases x a "
+                  f"round trip); then a launch: {model.LAUNCH_SECONDS * 1e6:.1f} us from the host, "
+                  f"{model.GRAPH_LAUNCH_SECONDS * 1e6:.1f} us in a CUDA graph; roof = the operator's bytes at HBM peak "
+                  f"or flops at its arithmetic's peak, no launch; device figures: {device.sources}")
     records = [r.record() for r in rows]
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import flashkern
 from flashkern import registry
+from flashkern.kernels import build as kernel_build
 from flashkern.kernels.build import BuildReport
 
 
@@ -31,6 +32,7 @@ class BuildJob:
     impl: str
     problem: object
     config: dict | None  # None: the implementation's default, resolved where the build runs
+    issue: bool = False  # also profile the SASS issue (kernels.sass), as the performance model needs
 
     @property
     def default(self) -> bool:
@@ -96,7 +98,8 @@ def build(job: BuildJob) -> BuildResult:
     try:
         inputs = op.make_inputs(job.problem, "cpu", 0)
         op.check(inputs)  # the kernel views of accepted forms
-        stages = impl.build_stages_sm90(job.problem, inputs, config, op.empty_outputs(job.problem, inputs))
+        with kernel_build.profiling_issue(job.issue):
+            stages = impl.build_stages_sm90(job.problem, inputs, config, op.empty_outputs(job.problem, inputs))
         return BuildResult(job, config, stages, time.perf_counter() - start)
     except Exception as exc:  # a failed build is a result to report, not a crash of the check
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()

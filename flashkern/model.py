@@ -10,13 +10,18 @@ Per implementation, config and shape, for each kernel launch (stage):
            rules), waves, and the fraction of the SMs' time the grid keeps busy;
   census   the PTX's tensor-core instructions and their input type, TMA and cp.async copies, widest global load,
            atomics and barriers (static counts: kernels/build.Census);
-  time     max(traffic / (HBM peak x MEMORY_EFFICIENCY), flops / (peak of the arithmetic the build uses x
-           MATH_EFFICIENCY)) / fill + LAUNCH_SECONDS. The operator's flops go to its stage with tensor-core
-           instructions (else to the stage that moves the most bytes); every requested byte is charged at HBM
-           speed (re-reads L2 would serve make the figure pessimistic for small re-read data).
-The operator's roof is one launch + max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math) (no kernel beats
-its own launch, so a decode-size operator in one launch is near its roof); the predicted roofline fraction is
-roof / predicted time.
+  issue    the SASS each warp issues per pipe (kernels/sass: loops from back edges, counted per trip in a build
+           with unrolling off), trips per CTA from the loop headers the traffic count ran (Triton: traced in the
+           interpreter; loops without a traced header count one trip per entry), at each pipe's issue rate;
+  time     the longest of: HBM (bytes L2 does not serve / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested
+           byte at L2 bandwidth), tensor (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the
+           SM fill; issue (warp instructions over the busy sub-partitions); latency (dependent global phases per
+           CTA x a round trip, per wave). Then a launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a
+           CUDA graph. The operator's flops go to its stage with tensor-core instructions (else to the stage that
+           moves the most bytes).
+The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math), with no launch; the roofline
+fraction is roof / predicted kernel time (launch excluded, reported beside it), so a decode-size kernel is judged
+by its own work.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from pathlib import Path
 import flashkern
 from flashkern import registry
 from flashkern.autotune import identity
+from flashkern.kernels import sass
 from flashkern.kernels.build import BuildReport, Census, LaunchTraffic
 from flashkern.registry import Cost
 
 MEMORY_EFFICIENCY = 0.8  # of HBM peak: what FlashMLA and DeepGEMM report for memory-bound kernels on H800 / H200
 MATH_EFFICIENCY = 0.7  # of dense tensor-core peak: DeepGEMM's FP8 GEMMs at large shapes
 LAUNCH_SECONDS = 3e-6  # per kernel launch, from the host's launch to the grid's first instruction (no CUDA graph)
+GRAPH_LAUNCH_SECONDS = 1.3e-6  # per kernel inside a CUDA graph on H100 (Hazy Research, "Look Ma, No Bubbles!", 2025)
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,10 @@ class Device:
     hbm_bytes_per_s: float
     peak_flops: dict  # arithmetic ("fp8", "bf16", "fp16", "tf32", "int8": dense tensor cores; "fp32": CUDA cores)
     l2_bytes: int | None
+    l2_bytes_per_s: float = 5.5e12  # L2 hits, all SMs (Chips and Cheese, "Nvidia's H100: Funny L2...", H100 PCIe)
+    clock_hz: float = 1.83e9  # SM clock under tensor-core load (4096 FLOP/clk/SM x 132 x 1.83 GHz = 989 TFLOPS)
+    global_round_trip_s: float = 0.5e-6  # a dependent global load + barrier + the phase's smem work (see below)
+    sub_partitions: int = 4  # warp schedulers per SM, each issuing one warp instruction a cycle
     registers_per_sm: int = 65536
     max_registers_per_thread: int = 255
     smem_per_sm: int = 228 * 1024
@@ -56,9 +67,15 @@ class Device:
     sources: str = ""
 
 
+_HOPPER_SOURCES = ("L2 hits 5.5 TB/s: Chips and Cheese's H100 PCIe measurement (near partition; 3.8 TB/s over all "
+                   "50 MB); global round trip 0.5 us: HBM latency about the 354 ns Chips and Cheese reads off H100 "
+                   "PCIe, plus the barrier; clock 1.83 GHz: the dense BF16 peak's; issue rates: kernels/sass.py")
+
+
 def _hopper(name: str, hbm: float, sources: str) -> Device:
-    return Device(name, sms=132, hbm_bytes_per_s=hbm, l2_bytes=50 * 2**20, sources=sources, peak_flops={
-        "fp8": 1979e12, "int8": 1979e12, "bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12})
+    return Device(name, sms=132, hbm_bytes_per_s=hbm, l2_bytes=50 * 2**20, sources=f"{sources}; {_HOPPER_SOURCES}",
+                  peak_flops={"fp8": 1979e12, "int8": 1979e12, "bf16": 989e12, "fp16": 989e12, "tf32": 494e12,
+                              "fp32": 67e12})
 
 
 DEVICES = {
@@ -71,7 +88,8 @@ DEVICES = {
     "b200": Device("B200", sms=148, hbm_bytes_per_s=8e12, l2_bytes=None, peak_flops={
         "fp8": 4.5e15, "int8": 4.5e15, "bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12},
         sources="NVIDIA HGX B200 datasheet per GPU (dense = half the sparse figures), 148 SMs; FP32 CUDA-core peak "
-                "estimated as 148 SMs x 128 lanes x 2 x ~2 GHz; L2 not published; SM limits as compute capability "
+                "estimated as 148 SMs x 128 lanes x 2 x ~2 GHz; L2 not published (no L2 credit); L2 bandwidth, "
+                "clock, round trip and issue rates as Hopper's (not published); SM limits as compute capability "
                 "9.0 (CUDA C++ Programming Guide, 10.0)"),
 }
 
@@ -101,6 +119,45 @@ def occupancy(threads: int, registers: int, smem: int, device: Device) -> Occupa
 
 
 @dataclass(frozen=True)
+class Issue:
+    """What one launch's warps issue, from its SASS profile and trip counts (kernels.sass)."""
+
+    per_warp: dict  # pipe (and event) -> warp instructions one warp issues
+    trips: tuple  # trips per CTA of each SASS loop
+    traced: bool  # every loop's trips came from a traced header (else some counted once per entry)
+    phases: float  # dependent global phases per CTA (barrier-separated passes over global memory)
+
+    def cycles_per_warp(self) -> tuple[float, str]:
+        """(cycles one warp occupies its sub-partition, the binding pipe): the dispatch of every instruction, or a
+        pipe's instructions at its issue rate, whichever is longer."""
+        per_pipe = {name: self.per_warp[name] / rate for name, rate in sass.ISSUE_RATE.items()}
+        dispatch = sum(self.per_warp[name] for name in sass.PIPES)
+        pipe_name = max(per_pipe, key=per_pipe.get)
+        return (dispatch, "dispatch") if dispatch >= per_pipe[pipe_name] else (per_pipe[pipe_name], pipe_name)
+
+
+def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
+    """Trips from the source lines the traffic count ran (kernels.sass.trips); dependent phases: one per CTA, one
+    per barrier outside loops, and one per trip of a loop whose own body has a barrier and whose loops load from
+    global memory synchronously (no cp.async / TMA in them: a pipelined loop waits on copies issued trips ago)."""
+    headers, sizes = dict(traffic.lines), dict(traffic.sizes)
+    trips = sass.trips(profile, headers, sizes)
+    loads, copies = ([loop.counts["global_load"] for loop in profile.loops],
+                     [loop.counts["async_copy"] for loop in profile.loops])
+    for i in reversed(range(len(profile.loops))):  # children come after their parent
+        parent = profile.loops[i].parent
+        if parent >= 0:
+            loads[parent] += loads[i]
+            copies[parent] += copies[i]
+    phases = 1.0 + profile.straight["barrier"] + sum(
+        trip for loop, trip, load, copy in zip(profile.loops, trips, loads, copies)
+        if loop.counts["barrier"] and load and not copy)
+    traced = all(loop.header in headers or sass.for_extent(loop.header_text, sizes) is not None
+                 for loop in profile.loops)
+    return Issue(profile.executed(trips), tuple(trips), traced, phases)
+
+
+@dataclass(frozen=True)
 class StagePrediction:
     report: BuildReport
     traffic: LaunchTraffic
@@ -109,7 +166,31 @@ class StagePrediction:
     fill: float  # fraction of the SMs' time the grid keeps busy
     math: str  # the arithmetic its flops are charged at
     flops: float
-    seconds: float
+    terms: dict  # seconds of each bound: "HBM", "L2", "tensor", "issue", "latency" (no launch)
+    issue: Issue | None
+    issue_pipe: str = ""  # the pipe (or "dispatch") that binds the issue term
+
+    @property
+    def kernel_seconds(self) -> float:
+        return max(self.terms.values(), default=0.0)
+
+    @property
+    def bound(self) -> str:
+        """The term that bounds the stage ("issue (alu)" names the pipe)."""
+        if not self.terms:
+            return ""
+        term = max(self.terms, key=self.terms.get)
+        return f"issue ({self.issue_pipe})" if term == "issue" else term
+
+    @property
+    def seconds(self) -> float:
+        """Kernel time plus a launch from the host (no CUDA graph)."""
+        return 0.0 if self.traffic.ctas == 0 else self.kernel_seconds + LAUNCH_SECONDS
+
+    @property
+    def graph_seconds(self) -> float:
+        """Kernel time plus a launch inside a CUDA graph."""
+        return 0.0 if self.traffic.ctas == 0 else self.kernel_seconds + GRAPH_LAUNCH_SECONDS
 
 
 @dataclass(frozen=True)
@@ -120,7 +201,25 @@ class Prediction:
 
     @property
     def seconds(self) -> float:
+        """Predicted time of one call, each launch from the host."""
         return sum(s.seconds for s in self.stages)
+
+    @property
+    def kernel_seconds(self) -> float:
+        return sum(s.kernel_seconds for s in self.stages)
+
+    @property
+    def graph_seconds(self) -> float:
+        return sum(s.graph_seconds for s in self.stages)
+
+    @property
+    def launch_seconds(self) -> float:
+        return self.seconds - self.kernel_seconds
+
+    @property
+    def bound(self) -> str:
+        """What bounds the stage that takes longest."""
+        return max(self.stages, key=lambda s: s.kernel_seconds).bound if self.stages else ""
 
     @property
     def traffic(self) -> float:
@@ -133,12 +232,14 @@ class Prediction:
 
     @property
     def roof_seconds(self) -> float:
-        return LAUNCH_SECONDS + max(self.cost.bytes / self.device.hbm_bytes_per_s,
-                                    self.cost.flops / self.device.peak_flops[self.cost.math])
+        """The operator's own floor: its minimum bytes at HBM peak or its flops at the peak its inputs allow; no
+        launch (reported beside it), so a small kernel is judged by what it does, not by the launch it waits on."""
+        return max(self.cost.bytes / self.device.hbm_bytes_per_s,
+                   self.cost.flops / self.device.peak_flops[self.cost.math])
 
     @property
     def roofline_fraction(self) -> float:
-        return self.roof_seconds / self.seconds
+        return self.roof_seconds / self.kernel_seconds if self.kernel_seconds else 1.0
 
     @property
     def census(self) -> Census:
@@ -154,8 +255,33 @@ def _fill(ctas: int, resident: int, device: Device) -> tuple[int, float]:
     return waves, min(ctas, device.sms) / device.sms if waves == 1 else ctas / (waves * slots)
 
 
+def hbm_bytes(traffic: LaunchTraffic, device: Device) -> float:
+    """Bytes that come from HBM: first touches (up to the footprint of the launch's tensors) at least; re-reads
+    too, in the fraction of the footprint L2 cannot hold (all of them without an L2 figure or a footprint)."""
+    if not traffic.footprint or not device.l2_bytes:
+        return traffic.bytes
+    first = min(traffic.bytes, traffic.footprint)
+    missed = max(0.0, 1.0 - device.l2_bytes / traffic.footprint)
+    return first + (traffic.bytes - first) * missed
+
+
+def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: Device) -> tuple[float, str]:
+    """Every warp's cycles spread over the sub-partitions the grid keeps busy: min(CTAs, SMs) SMs, each with at
+    most `sub_partitions` of its resident warps issuing at once."""
+    cycles, pipe_name = issue.cycles_per_warp()
+    per_sm = min(resident, math.ceil(ctas / device.sms)) * warps
+    lanes = min(ctas, device.sms) * min(device.sub_partitions, per_sm)
+    return ctas * warps * cycles / lanes / device.clock_hz, pipe_name
+
+
 def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device: Device) -> Prediction:
-    """The model's time for one call: its stages (each launch's build report and traffic) on `device`."""
+    """The model's time for one call: its stages (each launch's build report and traffic) on `device`.
+
+    A stage takes the longest of its terms: HBM (bytes L2 misses, `hbm_bytes`, at MEMORY_EFFICIENCY of the peak)
+    and L2 (every requested byte at L2 bandwidth), both over the SM fill; tensor (the operator's flops, charged
+    to the stage with tensor-core instructions, at MATH_EFFICIENCY of the peak of the arithmetic built) over the
+    fill; issue (the SASS's warp instructions over the sub-partitions busy, `_issue_seconds`); latency (waves x
+    dependent phases per CTA x a global round trip). Then a launch: from the host, or inside a CUDA graph."""
     tensor_core = [i for i, (report, _) in enumerate(stages) if report.census.wgmma or report.census.mma_sync]
     busiest = max(range(len(stages)), key=lambda i: stages[i][1].bytes)
     charged = tensor_core[0] if tensor_core else busiest
@@ -165,10 +291,18 @@ def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device:
         waves, fill = _fill(traffic.ctas, fit.ctas_per_sm, device)
         arithmetic = report.census.mma_input if report.census.mma_input in device.peak_flops else "fp32"
         flops = cost.flops if i == charged else 0.0
-        busy = max(traffic.bytes / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY),
-                   flops / (device.peak_flops[arithmetic] * MATH_EFFICIENCY))
-        seconds = 0.0 if traffic.ctas == 0 else busy / fill + LAUNCH_SECONDS
-        predicted.append(StagePrediction(report, traffic, fit, waves, fill, arithmetic, flops, seconds))
+        terms, issue, pipe_name = {}, None, ""
+        if traffic.ctas:
+            terms = {"HBM": hbm_bytes(traffic, device) / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY) / fill,
+                     "L2": traffic.bytes / device.l2_bytes_per_s / fill,
+                     "tensor": flops / (device.peak_flops[arithmetic] * MATH_EFFICIENCY) / fill}
+            if report.issue is not None:
+                issue = issue_of(report.issue, traffic)
+                terms["issue"], pipe_name = _issue_seconds(issue, traffic.ctas, math.ceil(report.threads / 32),
+                                                           fit.ctas_per_sm, device)
+                terms["latency"] = waves * issue.phases * device.global_round_trip_s
+        predicted.append(StagePrediction(report, traffic, fit, waves, fill, arithmetic, flops, terms, issue,
+                                         pipe_name))
     return Prediction(tuple(predicted), cost, device)
 
 
@@ -194,12 +328,17 @@ class Row:
             return found
         stages = [dict(ctas=s.traffic.ctas, sampled=s.traffic.sampled, exact=s.traffic.exact,
                        bytes_read=s.traffic.bytes_read, bytes_written=s.traffic.bytes_written,
-                       ctas_per_sm=s.occupancy.ctas_per_sm, limiter=s.occupancy.limiter, waves=s.waves, fill=s.fill,
-                       math=s.math, flops=s.flops, seconds=s.seconds, registers=s.report.registers,
+                       footprint=s.traffic.footprint, ctas_per_sm=s.occupancy.ctas_per_sm, limiter=s.occupancy.limiter,
+                       waves=s.waves, fill=s.fill, math=s.math, flops=s.flops, seconds=s.seconds,
+                       kernel_seconds=s.kernel_seconds, terms=s.terms, bound=s.bound,
+                       issue=None if s.issue is None else dict(per_warp=s.issue.per_warp, trips=s.issue.trips,
+                                                               traced=s.issue.traced, phases=s.issue.phases),
+                       registers=s.report.registers,
                        spills=s.report.spills, smem=s.report.smem, threads=s.report.threads,
                        census=dataclasses.asdict(s.report.census)) for s in p.stages]
-        return dict(found, device=p.device.name, model_seconds=p.seconds, roof_seconds=p.roof_seconds,
-                    roofline_fraction=p.roofline_fraction, bytes=p.traffic, min_bytes=p.cost.bytes,
+        return dict(found, device=p.device.name, model_seconds=p.seconds, kernel_seconds=p.kernel_seconds,
+                    launch_seconds=p.launch_seconds, graph_seconds=p.graph_seconds, bound=p.bound,
+                    roof_seconds=p.roof_seconds, roofline_fraction=p.roofline_fraction, bytes=p.traffic, min_bytes=p.cost.bytes,
                     traffic_ratio=p.traffic_ratio, stages=stages)
 
 
@@ -254,7 +393,8 @@ def evaluate(op_names, preset: str, device: Device, sample: int = 0, seed: int =
         return op.name, impl.name, impl.kernel.build_key(problem, config)
 
     for op, impl, problem, config, _ in cases:
-        builds.setdefault(build_of(op, impl, problem, config), compile_check.BuildJob(op.name, impl.name, problem, config))
+        builds.setdefault(build_of(op, impl, problem, config),
+                          compile_check.BuildJob(op.name, impl.name, problem, config, issue=True))
     jobs = list(builds.values())
     total, done = len(jobs) + len(cases), iter(range(1, len(jobs) + len(cases) + 1))
 

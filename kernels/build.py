@@ -8,6 +8,8 @@ and nvcc take 2-25 s) are kept on disk by `cached_report`; Triton keeps its own 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -18,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from flashkern.kernels import sass
 
 
 _MMA_TYPES = (("e4m3", "fp8"), ("e5m2", "fp8"), ("bf16", "bf16"), ("f16", "fp16"), ("tf32", "tf32"), ("s8", "int8"))
@@ -91,6 +95,7 @@ class BuildReport:
     smem: int = 0  # bytes of shared memory per block (static + dynamic)
     threads: int = 0  # per block
     census: Census = Census()  # instructions in the PTX
+    issue: sass.Profile | None = None  # the SASS per pipe, outside loops and per loop trip (kernels.sass)
 
     def with_(self, **changes) -> BuildReport:
         return dataclasses.replace(self, **changes)
@@ -105,7 +110,7 @@ class BuildReport:
         reports = list(reports)
         fields = ("registers", "spill_stores", "spill_loads", "stack", "smem", "threads")
         merged = {name: max(getattr(r, name) for r in reports) for name in fields}
-        return BuildReport(**merged, census=Census.total(r.census for r in reports))
+        return BuildReport(**merged, census=Census.total(r.census for r in reports))  # no one kernel's issue
 
     @property
     def wgmma(self) -> bool:
@@ -115,7 +120,9 @@ class BuildReport:
     @staticmethod
     def from_dict(values: dict) -> BuildReport:
         """The inverse of dataclasses.asdict."""
-        return BuildReport(**{**values, "census": Census(**values["census"])})
+        issue = values.get("issue")
+        return BuildReport(**{**values, "census": Census(**values["census"]),
+                              "issue": None if issue is None else sass.Profile.from_dict(issue)})
 
 
 CACHE_ENV = "FLASHKERN_BUILD_CACHE"  # a folder for build reports, or "off"
@@ -126,7 +133,7 @@ def source_digest(module_file: str) -> str:
     return hashlib.sha256(Path(module_file).read_bytes()).hexdigest()
 
 
-_THIS_SOURCE = source_digest(__file__)  # how reports are read and stored
+_THIS_SOURCE = source_digest(__file__) + source_digest(sass.__file__)  # how reports are made, read and stored
 
 
 def cache_dir() -> Path | None:
@@ -149,7 +156,8 @@ def cached_report(depends_on: tuple, build: Callable[[], BuildReport]) -> BuildR
     folder = cache_dir()
     if folder is None:
         return build()
-    path = folder / (hashlib.sha256(repr((_THIS_SOURCE, depends_on)).encode()).hexdigest() + ".json")
+    key = (_THIS_SOURCE, depends_on, _PROFILING_ISSUE.get())
+    path = folder / (hashlib.sha256(repr(key).encode()).hexdigest() + ".json")
     try:
         return BuildReport.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError):
@@ -160,6 +168,20 @@ def cached_report(depends_on: tuple, build: Callable[[], BuildReport]) -> BuildR
         json.dump(dataclasses.asdict(report), f)
     os.replace(f.name, path)  # whole or absent, with concurrent builders of the same kernel
     return report
+
+
+_PROFILING_ISSUE = contextvars.ContextVar("flashkern_profiling_issue", default=False)
+
+
+@contextlib.contextmanager
+def profiling_issue(on: bool = True):
+    """Builds inside also make the SASS issue profile (a second, counting build: kernels.sass), which the
+    performance model reads; the build check does without it."""
+    token = _PROFILING_ISSUE.set(on)
+    try:
+        yield
+    finally:
+        _PROFILING_ISSUE.reset(token)
 
 
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
@@ -183,9 +205,11 @@ def parse_ptxas(text: str) -> BuildReport:
     return BuildReport(registers=regs, spill_stores=stores, spill_loads=loads, stack=stack, smem=smem)
 
 
-def assemble(ptx: str, command: list[str]) -> BuildReport:
+def assemble(ptx: str, command: list[str], sources: dict | None = None) -> BuildReport:
     """Assemble `ptx` for sm_90a with `command` (a ptxas, or nvcc -cubin, with its verbose resource flag; the PTX
-    path and `-o cubin` are appended): resources from its output, the census from the PTX."""
+    path and `-o cubin` are appended): resources from its output, the census from the PTX, the issue profile from
+    a second, counting build (kernels.sass) inside `profiling_issue` (`sources`: path -> text of the sources the
+    PTX's line info names, for loop headers)."""
     with tempfile.TemporaryDirectory(prefix="flashkern-sm90-") as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
@@ -193,7 +217,8 @@ def assemble(ptx: str, command: list[str]) -> BuildReport:
         proc = subprocess.run([*command, path, "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{os.path.basename(command[0])} failed:\n" + (proc.stderr or proc.stdout)[-4000:])
-    return parse_ptxas(proc.stdout + proc.stderr).with_(census=Census.of(ptx))
+    return parse_ptxas(proc.stdout + proc.stderr).with_(census=Census.of(ptx), 
+                                                     issue=sass.profile(ptx, command, sources) if _PROFILING_ISSUE.get() else None)
 
 
 @dataclass(frozen=True)
@@ -210,6 +235,9 @@ class LaunchTraffic:
     bytes_written: float  # stores (and the write half of atomics), all CTAs
     sampled: int  # CTAs actually counted; the totals are scaled from them when fewer than ctas
     exact: bool = True  # False: an upper bound (conditions the count could not evaluate were taken as true)
+    footprint: float = 0.0  # bytes of every tensor the launch can touch (0: not known); the model's L2 reads it
+    lines: tuple = ()  # ((file, line), runs per CTA) of the kernel's source lines, where the counter ran them
+    sizes: tuple = ()  # (name, value) of the kernel's scalar parameters and symbolic sizes (TileLang), for loop bounds
 
     @property
     def bytes(self) -> float:

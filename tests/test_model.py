@@ -86,12 +86,16 @@ def test_a_kernel_that_reads_its_input_twice_moves_twice_the_input():
 
 
 def test_time_and_roof():
-    """Memory-bound: bytes at 80% of HBM over the fill, plus a launch; the roof is one launch plus the bytes at peak."""
+    """Memory-bound: bytes at 80% of HBM over the fill, plus a launch beside it; the roof is the bytes at peak, with
+    no launch; without an issue profile only the memory and tensor terms count."""
     moved = 4.8e9  # 1 ms at peak
     report = BuildReport(registers=32, threads=256)
     full = model.predict(Cost(flops=0, bytes=moved), [(report, LaunchTraffic(132 * 8, moved, 0, 132 * 8))], H200)
+    assert full.kernel_seconds == pytest.approx(1e-3 / 0.8) and full.bound == "HBM"
     assert full.seconds == pytest.approx(1e-3 / 0.8 + model.LAUNCH_SECONDS)
-    assert full.roofline_fraction == pytest.approx((1e-3 + model.LAUNCH_SECONDS) / full.seconds)
+    assert full.graph_seconds == pytest.approx(1e-3 / 0.8 + model.GRAPH_LAUNCH_SECONDS)
+    assert full.roof_seconds == pytest.approx(1e-3)
+    assert full.roofline_fraction == pytest.approx(0.8)
     half = model.predict(Cost(flops=0, bytes=moved), [(report, LaunchTraffic(66, moved, 0, 66))], H200)
     assert half.seconds == pytest.approx(2e-3 / 0.8 + model.LAUNCH_SECONDS)
     tensor = BuildReport(registers=128, threads=128, census=Census(wgmma=1, mma_input="fp8"))
@@ -99,6 +103,22 @@ def test_time_and_roof():
                          [(report, LaunchTraffic(132, 1, 0, 132)), (tensor, LaunchTraffic(132, 1, 0, 132))], H200)
     assert [s.flops for s in gemm.stages] == [0, 1979e12 * 1e-3]  # charged to the stage with tensor cores
     assert gemm.stages[1].seconds == pytest.approx(1e-3 / 0.7 + model.LAUNCH_SECONDS, rel=1e-6)
+    assert gemm.bound == "tensor"
+
+
+def test_re_reads_inside_l2_are_charged_at_l2_bandwidth():
+    """A 4 MB footprint read 8 times: first touches from HBM, the re-reads from L2 (the L2 term then binds); a
+    footprint twice L2's size misses on half of its re-reads."""
+    report = BuildReport(registers=32, threads=256)
+    small = 4 * 2**20
+    hot = model.predict(Cost(flops=0, bytes=small), [(report, LaunchTraffic(132, 8 * small, 0, 132, footprint=small))],
+                        H200)
+    assert model.hbm_bytes(hot.stages[0].traffic, H200) == small
+    assert hot.bound == "L2" and hot.kernel_seconds == pytest.approx(8 * small / H200.l2_bytes_per_s)
+    big = 2 * H200.l2_bytes
+    cold = LaunchTraffic(132, 3 * big, 0, 132, footprint=big)
+    assert model.hbm_bytes(cold, H200) == pytest.approx(big + 2 * big / 2)
+    assert model.hbm_bytes(LaunchTraffic(132, 3 * big, 0, 132), H200) == 3 * big  # no footprint: no L2 credit
 
 
 DOT_BUILD = textwrap.dedent("""

@@ -250,7 +250,7 @@ def _build_sm90(prim_func, pass_configs: dict | None) -> BuildReport:
         src = os.path.join(tmp, "kernel.cu")
         with open(src, "w") as f:
             f.write(source)
-        cmd = [nvcc, "-std=c++17", f"-arch={SM90_ARCH}", "-ptx", "-w", "-o", os.path.join(tmp, "kernel.ptx"), src]
+        cmd = [nvcc, "-std=c++17", f"-arch={SM90_ARCH}", "-ptx", "-lineinfo", "-w", "-o", os.path.join(tmp, "kernel.ptx"), src]
         for inc in _include_dirs():
             cmd += ["-I", inc]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -258,7 +258,7 @@ def _build_sm90(prim_func, pass_configs: dict | None) -> BuildReport:
             raise RuntimeError("nvcc failed:\n" + (proc.stderr or proc.stdout)[-4000:])
         with open(os.path.join(tmp, "kernel.ptx")) as f:
             ptx = f.read()
-    report = assemble(ptx, [nvcc, "-cubin", f"-arch={SM90_ARCH}", "--resource-usage", "-w"])
+    report = assemble(ptx, [nvcc, "-cubin", f"-arch={SM90_ARCH}", "--resource-usage", "-w"], {src: source})
     return report.with_(smem=report.smem + dyn_smem, threads=threads)
 
 

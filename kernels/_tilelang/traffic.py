@@ -74,11 +74,20 @@ def measure(prim_func, args: list, pass_configs: dict | None = None) -> LaunchTr
     """Global-memory traffic of launching the GPU-flavour `prim_func` on `args` (tensors and scalars, in parameter
     order, as the kernel would be called; nothing is launched, so CPU tensors do)."""
     func = lower_for_traffic(prim_func, pass_configs)
-    body = tirx.stmt_functor.substitute(func.body, _size_bindings(func, args))
+    sizes = _size_bindings(func, args)
+    body = tirx.stmt_functor.substitute(func.body, sizes)
     counter = _Counter([func.buffer_map[p] for p in func.params if p in func.buffer_map], _assigned_once(body))
     counter.stmt(body)
     return LaunchTraffic(ctas=counter.ctas, bytes_read=counter.bytes_read, bytes_written=counter.bytes_written,
-                         sampled=counter.ctas, exact=counter.exact)
+                         sampled=counter.ctas, exact=counter.exact, footprint=_footprint(args),
+                         sizes=tuple(sorted((var.name, int(value.value)) for var, value in sizes.items())))
+
+
+def _footprint(args: list) -> float:
+    """Bytes of the distinct storages behind the tensor arguments: all the launch can touch."""
+    storages = {arg.untyped_storage().data_ptr(): arg.untyped_storage().nbytes() for arg in args
+                if hasattr(arg, "untyped_storage")}
+    return float(sum(storages.values()))
 
 
 def _size_bindings(func: tirx.PrimFunc, args: list) -> dict:

@@ -33,14 +33,19 @@ Limits:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import inspect
 import math
+import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
+import torch
+import triton
 
 import flashkern
 from flashkern.kernels._triton import Launch
@@ -89,12 +94,49 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
         "set_grid_dim": lambda set_grid_dim: lambda *_: set_grid_dim(*grid),  # tl.num_programs: the real grid
         "set_grid_idx": lambda set_grid_idx: lambda x, y, z: set_grid_idx(*program_ids[x]),  # CTA i: sample i
     }
-    with _instrumented(interpreter_builder, counting | sampling):
+    with _instrumented(interpreter_builder, counting | sampling), _counting_lines() as lines:
         dataclasses.replace(launch, grid=(len(program_ids),))()
     scale = ctas / len(program_ids)
     return LaunchTraffic(
-        ctas=ctas, bytes_read=totals.read * scale, bytes_written=totals.written * scale, sampled=len(program_ids)
+        ctas=ctas, bytes_read=totals.read * scale, bytes_written=totals.written * scale, sampled=len(program_ids),
+        footprint=_footprint(launch.args.values()),
+        lines=tuple(sorted((where, count / len(program_ids)) for where, count in lines.items())),
     )
+
+
+def _footprint(values) -> float:
+    """Bytes of the distinct storages behind the tensor arguments: all the launch can touch."""
+    storages = {}
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return float(sum(storages.values()))
+
+
+@contextlib.contextmanager
+def _counting_lines():
+    """(file, line) -> times it ran, for the kernel code the interpreter runs in this thread: the kernels and their
+    @triton.jit helpers (frames of Triton, numpy, torch and the standard library are not traced)."""
+    counts: collections.Counter = collections.Counter()
+
+    def local(frame, event, _):
+        if event == "line":
+            counts[frame.f_code.co_filename, frame.f_lineno] += 1
+        return local
+
+    def calls(frame, event, _):
+        return None if frame.f_code.co_filename.startswith(_UNTRACED) else local
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield counts
+    finally:
+        sys.settrace(previous)
+
+
+_UNTRACED = tuple(os.path.dirname(module.__file__) for module in (triton, np, torch, os)) + (__file__,)
 
 
 def _sampled_indices(ctas: int, max_ctas: int) -> range | list[int]:

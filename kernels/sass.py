@@ -1,0 +1,288 @@
+"""What an sm_90a kernel issues: its SASS, read from a cubin, as instructions per pipe, per loop.
+
+`profile(ptx, assemble)` assembles the PTX a second time with loop unrolling off (module-scope
+`.pragma "nounroll"`) and line info on, disassembles that cubin with the `nvdisasm` Triton's wheel ships, and
+counts, for the code outside loops and for each loop body (nested loops excluded), the warp instructions of each
+pipe. Unrolling off makes one trip of a SASS loop one trip of the source loop, so the source's trip counts apply
+as they are (ptxas otherwise unrolls dynamic loops by 4 with remainder loops); the counts are the unrolled
+build's up to loop overhead. The resources the model reports come from the real build (kernels.build.assemble).
+
+Loops are found from back edges: a branch to an earlier address. Branches to one target make one
+loop; loops nest by their address ranges. Each loop records the source line of its back edge (the source
+loop's header: `for ...` in Python or CUDA C), which is how a trip count is looked up (`Trips`).
+
+Pipes and their issue rates (warp instructions per cycle per SM sub-partition; an SM has 4, each issuing at
+most one warp instruction a cycle) follow Nsight Compute's pipe names (Kernel Profiling Guide, "Pipelines")
+and the CUDA C++ Programming Guide's throughput table for compute capability 9.0 (operations per clock per SM,
+divided by 4 sub-partitions x 32 lanes):
+  fma     FP32 FFMA/FADD/FMUL, HFMA2 and friends: 128 results/clk/SM -> 1
+  fmaheavy IMAD/IMUL and integer dot products (the heavy half of the FMA pipe): 64/clk/SM -> 0.5
+  alu     integer add/compare/min/max, shifts, LOP3, PRMT, SEL, FP32 compare (FSETP/FMNMX): 64/clk/SM -> 0.5
+  xu      MUFU (exp2, rcp, rsqrt, ...), conversions (F2F, F2I, I2F, FRND), POPC/FLO/BREV: 16/clk/SM -> 0.125
+  lsu     global/local/shared loads and stores, atomics, shuffles, S2R: 32 threads/clk/SM (shuffle) -> 0.25
+  tensor  HMMA/HGMMA/IMMA: issue slots only (their math is the model's tensor-core term)
+  other   branches, barriers, uniform datapath, moves the scheduler issues (MOV, NOP, ...) -> 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+ISSUE_RATE = {"fma": 1.0, "fmaheavy": 0.5, "alu": 0.5, "xu": 0.125, "lsu": 0.25, "tensor": 1.0, "other": 1.0}
+PIPES = tuple(ISSUE_RATE)
+
+_PIPE_BY_OPCODE = {
+    "fma": ("FFMA", "FADD", "FMUL", "FMUL32I", "FFMA32I", "FADD32I", "HFMA2", "HADD2", "HMUL2", "HMNMX2", "FSWZADD",
+            "FCHK"),
+    "fmaheavy": ("IMAD", "IMUL", "IDP", "IMAD32I", "IMUL32I"),
+    "alu": ("IADD3", "IADD", "IADD32I", "VIADD", "VIADDMNMX", "IABS", "IMNMX", "ISETP", "ICMP", "LOP3", "LOP", "LOP32I",
+            "SHF", "SHL", "SHR", "LEA", "PRMT", "SEL", "FSEL", "FSETP", "FMNMX", "FSET", "HSETP2", "HSET2", "SGXT",
+            "BMSK", "PLOP3", "P2R", "R2P", "CSET", "CSETP", "ISCADD", "VABSDIFF", "VABSDIFF4", "VIMNMX", "VIMNMX3",
+            "IMNMX3", "F2FP", "BFE", "BFI"),
+    "xu": ("MUFU", "F2F", "F2I", "I2F", "I2FP", "F2IP", "FRND", "POPC", "FLO", "BREV"),
+    "lsu": ("LDG", "STG", "LDS", "STS", "LDL", "STL", "LD", "ST", "ATOM", "ATOMS", "ATOMG", "RED", "REDG", "LDSM",
+            "STSM", "LDGSTS", "SHFL", "S2R", "CS2R", "MATCH", "VOTE", "LDGDEPBAR", "MEMBAR", "CCTL", "LDC", "REDUX",
+            "SYNCS", "UBLKCP", "UTMALDG", "UTMASTG", "UTMAPF", "UTMACCTL"),
+    "tensor": ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA", "DMMA", "WARPGROUP", "BMMA"),
+}
+_PIPE = {opcode: pipe for pipe, opcodes in _PIPE_BY_OPCODE.items() for opcode in opcodes}
+# What the latency floor reads (flashkern.model): CTA barriers, loads that block on global memory, and
+# asynchronous copies (cp.async, TMA), which a pipelined loop waits on stages later.
+EVENTS = {"barrier": ("BAR",), "global_load": ("LDG", "LD", "ATOMG", "ATOM"), "async_copy": ("LDGSTS", "UTMALDG",
+                                                                                             "UBLKCP")}
+_EVENT = {opcode: event for event, opcodes in EVENTS.items() for opcode in opcodes}
+
+_LINE = re.compile(r'^\s*//## File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<inlined> inlined at)?')
+_INSTRUCTION = re.compile(r"^\s*/\*(?P<address>[0-9a-f]{4,})\*/\s+(?P<predicate>@!?U?P\w+\s+)?(?P<opcode>[A-Z][\w.]*)"
+                          r"\s*(?P<operands>[^;]*);")
+_FUNCTION = re.compile(r"^//-+ \.text\.(?P<name>\S+)")
+_TARGET = re.compile(r"`\(\.L_x_(\d+)\)")
+_LABEL = re.compile(r"^\.L_x_(\d+):")
+
+
+def pipe(opcode: str) -> str:
+    """The pipe a SASS opcode (with or without modifiers: "IMAD.WIDE.U32") issues to."""
+    return _PIPE.get(opcode.split(".")[0], "other")  # "other": uniform datapath (UIADD3, ULDC...), moves, control
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str
+    operands: str
+    line: tuple[str, int] | None  # (file, line) from the line info; None without it
+    target: int | None = None  # a branch's target address
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One SASS loop: its own instructions per pipe (nested loops excluded) and where its back edge comes from."""
+
+    start: int
+    end: int  # address of the (last) back-edge branch
+    parent: int  # index of the enclosing loop in Profile.loops, -1 at the top level
+    counts: dict  # pipe (and EVENTS) -> warp instructions per trip
+    header: tuple[str, int] | None  # source (file, line) of the back-edge branch: the source loop's header
+    header_text: str = ""  # that source line, where the build kept its source (TileLang's CUDA C)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A kernel's SASS: instructions outside loops and per loop trip, per pipe."""
+
+    straight: dict  # pipe (and EVENTS) -> warp instructions executed once per CTA
+    loops: tuple[Loop, ...] = ()
+
+    def executed(self, trips: dict) -> dict:
+        """pipe (and event) -> warp instructions one warp issues, `trips[i]` being the trips of loop i per CTA."""
+        total = dict.fromkeys((*PIPES, *EVENTS), 0.0)
+        for pipe_name, count in self.straight.items():
+            total[pipe_name] += count
+        for i, loop in enumerate(self.loops):
+            for pipe_name, count in loop.counts.items():
+                total[pipe_name] += count * trips[i]
+        return total
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(values: dict) -> Profile:
+        loops = tuple(Loop(**{**loop, "header": tuple(loop["header"]) if loop["header"] else None})
+                      for loop in values["loops"])
+        return Profile(straight=values["straight"], loops=loops)
+
+
+def parse(text: str, kernel: str | None = None) -> list[Instruction]:
+    """The instructions of one kernel function in `nvdisasm -c -g` output (the first function when `kernel` is
+    None), with each instruction's source line and each branch's target."""
+    sections = {}
+    name = None
+    for text_line in text.splitlines():
+        if m := _FUNCTION.match(text_line):
+            name = m.group("name")
+            sections[name] = []
+        elif name is not None:
+            sections[name].append(text_line)
+    if not sections:
+        return []
+    body = sections[kernel] if kernel in sections else next(iter(sections.values()))
+    labels: dict[int, int] = {}  # label number -> address of the next instruction
+    raw, pending, line = [], [], None
+    for text_line in body:
+        if m := _LINE.match(text_line):
+            if not m.group("inlined"):  # "line N inlined at ..." is followed by the inlined code's own line
+                line = (m.group("file"), int(m.group("line")))
+        elif m := _LABEL.match(text_line):
+            pending.append(int(m.group(1)))
+        elif m := _INSTRUCTION.match(text_line):
+            address = int(m.group("address"), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            raw.append((address, m.group("opcode"), m.group("operands").strip(), line))
+    instructions = []
+    for address, opcode, operands, source in raw:
+        target = None
+        if opcode.split(".")[0] in ("BRA", "BRX", "JMP") and (m := _TARGET.search(operands)):
+            target = labels.get(int(m.group(1)))
+        instructions.append(Instruction(address, opcode, operands, source, target))
+    return instructions
+
+
+def count(instructions: list[Instruction]) -> Profile:
+    """Per-pipe counts outside loops and per loop body, loops found from back edges."""
+    ends: dict[int, Instruction] = {}  # loop start -> its last back-edge branch
+    for ins in instructions:
+        if ins.target is not None and ins.target < ins.address:
+            if ins.target not in ends or ends[ins.target].address < ins.address:
+                ends[ins.target] = ins
+    spans = sorted(((start, branch.address, branch.line) for start, branch in ends.items()),
+                   key=lambda span: (span[0], -span[1]))
+    parents, open_loops = [], []
+    for i, (start, end, _) in enumerate(spans):
+        while open_loops and spans[open_loops[-1]][1] < start:
+            open_loops.pop()
+        parents.append(open_loops[-1] if open_loops else -1)
+        open_loops.append(i)
+    counts = [dict.fromkeys((*PIPES, *EVENTS), 0) for _ in spans]
+    straight = dict.fromkeys((*PIPES, *EVENTS), 0)
+    for ins in instructions:
+        if ins.opcode in ("NOP",) or ins.opcode.startswith("BRA") and ins.target == ins.address:
+            continue  # padding after EXIT and the self-branch that ends every kernel
+        inner = max((i for i, (start, end, _) in enumerate(spans) if start <= ins.address <= end), default=-1,
+                    key=lambda i: spans[i][0])
+        counted = counts[inner] if inner >= 0 else straight
+        counted[pipe(ins.opcode)] += 1
+        if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
+            counted[event] += 1
+    loops = tuple(Loop(start, end, parent, counts[i], line)
+                  for i, ((start, end, line), parent) in enumerate(zip(spans, parents)))
+    return Profile(straight, loops)
+
+
+def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> list[float]:
+    """Trips per CTA of each loop of `profile`, from how often each source loop header ran per CTA
+    (`header_counts`: (file, line) -> executions, as a tracer sees them: a header runs once per trip and once
+    more per entry, when the loop ends), else from a CUDA C header's bounds evaluated with `sizes` (name ->
+    value: `for (int k = 0; k < ((N + 63) >> 6); ++k)`). A loop entered e times per CTA (its parent's trips, 1 at
+    the top level) that ran h header executions made h - e trips; loops that share a header share its trips. A
+    loop with neither (no line info, bounds that read other variables) is counted as one trip per entry."""
+    found: list[float] = []
+    sharing: dict = {}
+    for loop in profile.loops:
+        sharing[loop.header] = sharing.get(loop.header, 0) + 1
+    for loop in profile.loops:
+        entries = found[loop.parent] if loop.parent >= 0 else 1.0
+        executions = header_counts.get(loop.header)
+        if executions is None:
+            extent = for_extent(loop.header_text, sizes or {})
+            found.append(entries * (1 if extent is None else extent))
+        else:
+            share = executions / sharing[loop.header]
+            found.append(max(share - entries, share / 2))
+    return found
+
+
+_FOR = re.compile(r"^\s*for\s*\(\s*(?:int|int64_t|long|unsigned)?\s*(?P<var>\w+)\s*=\s*(?P<start>[^;]+);\s*(?P=var)\s*<"
+                  r"\s*(?P<end>[^;]+);\s*(?:\+\+(?P=var)|(?P=var)\+\+|(?P=var)\s*\+=\s*(?P<step>\d+))\s*\)")
+_CAST = re.compile(r"\(\s*(?:int|int64_t|long|uint|unsigned|int32_t|uint32_t|uint64_t)\s*\)")
+_SAFE = re.compile(r"^[\w\s+\-*/%<>&|^(),]*$")
+
+
+def for_extent(header: str, sizes: dict) -> float | None:
+    """Trips per entry of a CUDA C `for (int v = A; v < B; ++v)` (or `v += S`) header whose bounds are integer
+    arithmetic of `sizes` (name -> value); None for any other form."""
+    m = _FOR.match(header)
+    if m is None:
+        return None
+    values = []
+    for bound in (m.group("start"), m.group("end")):
+        text = _CAST.sub("", bound).replace("/", "//")
+        if not _SAFE.match(text) or any(name not in sizes and name not in ("min", "max")
+                                        for name in re.findall(r"[A-Za-z_]\w*", text)):
+            return None
+        try:
+            values.append(eval(text, {"__builtins__": {}, "min": min, "max": max}, dict(sizes)))  # noqa: S307
+        except (ArithmeticError, SyntaxError, TypeError):
+            return None
+    step = int(m.group("step") or 1)
+    return max(0, -(-(values[1] - values[0]) // step))
+
+
+@functools.cache
+def nvdisasm_path() -> str:
+    """The nvdisasm Triton's NVIDIA backend ships (it runs without a GPU), else one on PATH."""
+    import shutil
+
+    try:
+        import triton.backends.nvidia as nvidia
+
+        bundled = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+        if os.path.exists(bundled):
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("nvdisasm")
+    if found is None:
+        raise FileNotFoundError("nvdisasm not found (Triton's NVIDIA backend ships one)")
+    return found
+
+
+def no_unroll(ptx: str) -> str:
+    """`ptx` with loop unrolling off for the whole module (PTX ISA: module-scope `.pragma "nounroll"`)."""
+    m = re.search(r"^\s*\.address_size\s+\d+\s*$", ptx, re.M)
+    if m is None:
+        raise ValueError("PTX without an .address_size directive")
+    return ptx[:m.end()] + '\n.pragma "nounroll";\n' + ptx[m.end():]
+
+
+def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profile:
+    """The issue profile of `ptx`: assembled by `command` (a ptxas or nvcc -cubin; the PTX path and `-o cubin`
+    are appended) with unrolling off and line info on, then disassembled. `sources` (path -> text) gives each
+    loop's header text, for sources that are gone when the model runs (TileLang's generated CUDA C)."""
+    with tempfile.TemporaryDirectory(prefix="flashkern-sass-") as tmp:
+        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+        with open(path, "w") as f:
+            f.write(no_unroll(ptx))
+        built = subprocess.run([*command, "-lineinfo", path, "-o", cubin], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError("assembling the counting build failed:\n" + (built.stderr or built.stdout)[-4000:])
+        listing = subprocess.run([nvdisasm_path(), "-c", "-g", cubin], capture_output=True, text=True)
+        if listing.returncode != 0:
+            raise RuntimeError("nvdisasm failed:\n" + listing.stderr[-4000:])
+    kernel = re.search(r"^\s*\.(?:visible\s+)?\.entry\s+(\w+)", ptx, re.M)
+    counted = count(parse(listing.stdout, kernel.group(1) if kernel else None))
+    lines = {path: text.splitlines() for path, text in (sources or {}).items()}
+
+    def text_of(header):
+        source = lines.get(header[0]) if header else None
+        return source[header[1] - 1].strip() if source and 0 < header[1] <= len(source) else ""
+
+    return dataclasses.replace(counted, loops=tuple(dataclasses.replace(loop, header_text=text_of(loop.header))
+                                                    for loop in counted.loops))

@@ -1,0 +1,115 @@
+"""The SASS issue counter (flashkern.kernels.sass) on kernels built for the purpose (tests/_sass_kernels.py), and
+the model's issue and memory terms on them: loops found from back edges and counted per trip, integer work on
+the integer pipe, straight code counted once, trips from the interpreter's trace of the loop headers."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flashkern  # noqa: F401  (before triton: the kernels run under the interpreter here)
+import pytest
+
+from flashkern import model
+from flashkern.kernels import sass
+from flashkern.kernels._triton import traffic
+from flashkern.kernels.build import BuildReport
+from flashkern.registry import Cost
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _sass_kernels as kernels  # noqa: E402
+
+H200 = model.DEVICES["h200"]
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, BuildReport]:
+    """Each kernel's sm_90a build report with its issue profile, built natively in a child process."""
+    script = textwrap.dedent(f"""
+        import dataclasses, json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import _sass_kernels as kernels
+        from flashkern.kernels._triton import build_sm90
+        from flashkern.kernels.build import profiling_issue
+        with profiling_issue():
+            reports = {{name: dataclasses.asdict(build_sm90(launch))
+                        for name, launch in kernels.launches(ctas=4, trips=3).items()}}
+        print(json.dumps(reports))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0", "FLASHKERN_BUILD_CACHE": "off"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: BuildReport.from_dict(report) for name, report in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+def test_a_loop_of_n_fmas_per_trip_counts_n_fmas(built):
+    profile = built["fma_loop"].issue
+    (loop,) = profile.loops
+    assert loop.counts["fma"] == kernels.FMAS
+    assert loop.header[0] == kernels.__file__ and loop.parent == -1
+    assert profile.straight["fma"] == 0 and profile.straight["lsu"] >= 2  # the load and the store, once
+
+
+def test_an_integer_decode_loop_lands_on_the_integer_pipes(built):
+    (loop,) = built["decode_loop"].issue.loops
+    assert loop.counts["fma"] == 0 and loop.counts["xu"] == 0
+    assert loop.counts["alu"] >= 5  # shifts, masks, ors and the xor (LOP3 may fuse some)
+    assert loop.counts["global_load"] == 1
+
+
+def test_a_kernel_without_a_loop_is_counted_once(built):
+    profile = built["copy"].issue
+    assert profile.loops == ()
+    assert profile.executed([]) == {**dict.fromkeys((*sass.PIPES, *sass.EVENTS), 0.0), **profile.straight}
+
+
+@pytest.mark.parametrize("trips", [1, 7])
+def test_trips_come_from_the_traced_loop_header(built, trips):
+    launch = kernels.launches(ctas=4, trips=trips)["fma_loop"]
+    counted = traffic.measure(launch)
+    assert sass.trips(built["fma_loop"].issue, dict(counted.lines)) == [trips]
+    issue = model.issue_of(built["fma_loop"].issue, counted)
+    assert issue.traced and issue.per_warp["fma"] == kernels.FMAS * trips
+
+
+def test_nested_loops_take_their_trips_per_cta_and_unknown_headers_one_per_entry():
+    counts = dict.fromkeys((*sass.PIPES, *sass.EVENTS), 0)
+    profile = sass.Profile(counts, (sass.Loop(0, 100, -1, counts, ("k.py", 10)),
+                                    sass.Loop(20, 80, 0, counts, ("k.py", 12)),
+                                    sass.Loop(200, 300, -1, counts, None)))
+    # outer: 4 trips (5 header runs); inner: 3 trips per outer trip (4 header runs each, 16 in all)
+    assert sass.trips(profile, {("k.py", 10): 5, ("k.py", 12): 16}) == [4, 12, 1]
+
+
+def test_the_issue_term_binds_an_issue_bound_kernel_and_hbm_a_streaming_copy(built):
+    ctas = 132 * 16
+    heavy = kernels.launches(ctas=ctas, trips=200)["fma_loop"]
+    stream = kernels.launches(ctas=ctas, trips=1)["copy"]
+    n = ctas * kernels.BLOCK
+    fma = model.predict(Cost(flops=0, bytes=8 * n), [(built["fma_loop"], traffic.measure(heavy, max_ctas=2))], H200)
+    copy = model.predict(Cost(flops=0, bytes=8 * n), [(built["copy"], traffic.measure(stream, max_ctas=2))], H200)
+    assert fma.bound == "issue (dispatch)"  # FFMA issues at one a cycle: the dispatch of all its neighbours binds
+    stage = fma.stages[0]
+    cycles = stage.issue.cycles_per_warp()[0]
+    expected = ctas * kernels.WARPS * cycles / (132 * 4) / H200.clock_hz
+    assert stage.terms["issue"] == pytest.approx(expected)
+    assert stage.terms["issue"] > 10 * max(stage.terms["HBM"], stage.terms["L2"])
+    assert copy.bound in ("HBM", "latency") and copy.stages[0].terms["issue"] < copy.stages[0].terms["HBM"]
+    big = kernels.launches(ctas=132 * 512, trips=1)["copy"]
+    large = model.predict(Cost(flops=0, bytes=8 * 132 * 512 * kernels.BLOCK),
+                          [(built["copy"], traffic.measure(big, max_ctas=2))], H200)
+    assert large.bound == "HBM"
+
+
+def test_the_roofline_fraction_leaves_the_launch_out(built):
+    stream = kernels.launches(ctas=4, trips=1)["copy"]
+    n = 4 * kernels.BLOCK
+    p = model.predict(Cost(flops=0, bytes=8 * n), [(built["copy"], traffic.measure(stream))], H200)
+    assert p.roof_seconds == pytest.approx(8 * n / H200.hbm_bytes_per_s)
+    assert p.roofline_fraction == pytest.approx(p.roof_seconds / p.kernel_seconds)
+    assert p.seconds == pytest.approx(p.kernel_seconds + model.LAUNCH_SECONDS)
+    assert p.graph_seconds == pytest.approx(p.kernel_seconds + model.GRAPH_LAUNCH_SECONDS)
+    assert p.roofline_fraction < 0.1  # a tiny copy waits on a round trip, not on its bytes
