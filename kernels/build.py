@@ -235,9 +235,10 @@ class LaunchTraffic:
     bytes_written: float  # stores (and the write half of atomics), all CTAs
     sampled: int  # CTAs actually counted; the totals are scaled from them when fewer than ctas
     exact: bool = True  # False: an upper bound (conditions the count could not evaluate were taken as true)
-    footprint: float = 0.0  # bytes of every tensor the launch can touch (0: not known); the model's L2 reads it
-    lines: tuple = ()  # ((file, line), runs per CTA) of the kernel's source lines, where the counter ran them
-    sizes: tuple = ()  # (name, value) of the kernel's scalar parameters and symbolic sizes (TileLang), for loop bounds
+    # What the model reads beside the counts (not part of a count's equality):
+    footprint: float = dataclasses.field(default=0.0, compare=False)  # bytes of every tensor the launch can touch
+    lines: tuple = dataclasses.field(default=(), compare=False)  # ((file, line), runs per CTA) where the count ran
+    sizes: tuple = dataclasses.field(default=(), compare=False)  # (name, value): scalar parameters and sizes
 
     @property
     def bytes(self) -> float:

@@ -38,8 +38,11 @@ def _tiled_copy():
 
 @pytest.mark.parametrize("n", [8 * TILE, 8 * TILE - 24], ids=["whole tiles", "tail"])
 def test_tiled_copy_moves_each_element_once(n):
-    """The last CTA of a tail masks its lanes past N off: they move nothing, and the count says so exactly."""
-    assert measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)]) == _traffic(8, n * F32, n * F32)
+    """The last CTA of a tail masks its lanes past N off: they move nothing, and the count says so exactly. The
+    model's context comes along: the tensors' footprint and the sizes (for loop bounds)."""
+    counted = measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)])
+    assert counted == _traffic(8, n * F32, n * F32)
+    assert counted.footprint == 2 * n * F32 and counted.sizes == (("N", n),)
 
 
 def test_a_tail_too_large_to_enumerate_counts_whole_tiles(monkeypatch):
