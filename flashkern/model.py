@@ -150,7 +150,7 @@ def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
             loads[parent] += loads[i]
             copies[parent] += copies[i]
     phases = 1.0 + profile.straight["barrier"] + sum(
-        trip for loop, trip, load, copy in zip(profile.loops, trips, loads, copies)
+        weight for loop, weight, load, copy in zip(profile.loops, profile.weights(trips), loads, copies)
         if loop.counts["barrier"] and load and not copy)
     traced = all(loop.header in headers or sass.for_extent(loop.header_text, sizes) is not None
                  for loop in profile.loops)
@@ -376,18 +376,25 @@ def _traffic(op, impl, problem, config) -> tuple[LaunchTraffic, ...]:
 def evaluate(op_names, preset: str, device: Device, sample: int = 0, seed: int = 0, workers: int | None = None,
              on_step=None) -> list[Row]:
     """The model of every implementation of `op_names` at each shape of `preset` (operators without it skipped by
-    the caller), in its GPU default config and `sample` more: traffic counted here, builds in worker processes
-    (flashkern.compile_check), one per distinct build (impl.kernel.build_key of a shape and config). on_step(done, total) follows
-    the builds and then the rows."""
+    the caller), in its GPU default config and `sample` more (`evaluate_problems`)."""
+    problems = [(name, problem) for name in op_names for problem in registry.get(name).presets[preset]]
+    return evaluate_problems(problems, device, sample, seed, workers, on_step)
+
+
+def evaluate_problems(problems, device: Device, sample: int = 0, seed: int = 0, workers: int | None = None,
+                      on_step=None) -> list[Row]:
+    """The model of every implementation of each (operator name, problem) in `problems`, in its GPU default config
+    and `sample` more: traffic counted here, builds in worker processes (flashkern.compile_check), one per distinct
+    build (impl.kernel.build_key of a shape and config). on_step(done, total) follows the builds and then the
+    rows."""
     from flashkern import compile_check
 
     cases = []
-    for name in op_names:
+    for name, problem in problems:
         op = registry.get(name)
-        for problem in op.presets[preset]:
-            for impl in op.implementations:
-                cases += [(op, impl, problem, config, default)
-                          for config, default in _gpu_configs(impl, problem, sample, seed)]
+        for impl in op.implementations:
+            cases += [(op, impl, problem, config, default)
+                      for config, default in _gpu_configs(impl, problem, sample, seed)]
     builds = {}
     def build_of(op, impl, problem, config):
         return op.name, impl.name, impl.kernel.build_key(problem, config)

@@ -7,8 +7,8 @@ pipe. Unrolling off makes one trip of a SASS loop one trip of the source loop, s
 as they are (ptxas otherwise unrolls dynamic loops by 4 with remainder loops); the counts are the unrolled
 build's up to loop overhead. The resources the model reports come from the real build (kernels.build.assemble).
 
-Loops are found from back edges: a branch to an earlier address. Branches to one target make one
-loop; loops nest by their address ranges. Each loop records the source line of its back edge (the source
+Loops are natural loops of the control-flow graph (a branch to a block that dominates it closes one);
+branches to one header make one loop. Each loop records the source line of its back edge (the source
 loop's header: `for ...` in Python or CUDA C), which is how a trip count is looked up (`Trips`).
 
 Pipes and their issue rates (warp instructions per cycle per SM sub-partition; an SM has 4, each issuing at
@@ -58,6 +58,7 @@ EVENTS = {"barrier": ("BAR",), "global_load": ("LDG", "LD", "ATOMG", "ATOM"), "a
                                                                                              "UBLKCP")}
 _EVENT = {opcode: event for event, opcodes in EVENTS.items() for opcode in opcodes}
 
+_CONTROL = ("BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL")  # instructions that end a basic block
 _LINE = re.compile(r'^\s*//## File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<inlined> inlined at)?')
 _INSTRUCTION = re.compile(r"^\s*/\*(?P<address>[0-9a-f]{4,})\*/\s+(?P<predicate>@!?U?P\w+\s+)?(?P<opcode>[A-Z][\w.]*)"
                           r"\s*(?P<operands>[^;]*);")
@@ -78,6 +79,7 @@ class Instruction:
     operands: str
     line: tuple[str, int] | None  # (file, line) from the line info; None without it
     target: int | None = None  # a branch's target address
+    predicated: bool = False  # runs under a predicate (@P0): a predicated branch may fall through
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Loop:
     counts: dict  # pipe (and EVENTS) -> warp instructions per trip
     header: tuple[str, int] | None  # source (file, line) of the back-edge branch: the source loop's header
     header_text: str = ""  # that source line, where the build kept its source (TileLang's CUDA C)
+    share: float = 1.0  # of the warps that reach its parent, the share that runs it (see `count`)
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,24 @@ class Profile:
     straight: dict  # pipe (and EVENTS) -> warp instructions executed once per CTA
     loops: tuple[Loop, ...] = ()
 
-    def executed(self, trips: dict) -> dict:
-        """pipe (and event) -> warp instructions one warp issues, `trips[i]` being the trips of loop i per CTA."""
+    def weights(self, trips) -> list[float]:
+        """Trips of each loop per CTA, times the share of a CTA's warps that run it (its and its parents')."""
+        weights: list[float] = []
+        shares: list[float] = []
+        for i, loop in enumerate(self.loops):
+            shares.append(loop.share * (shares[loop.parent] if loop.parent >= 0 else 1.0))
+            weights.append(trips[i] * shares[i])
+        return weights
+
+    def executed(self, trips) -> dict:
+        """pipe (and event) -> warp instructions a warp issues on average, `trips[i]` being the trips of loop i
+        per CTA."""
         total = dict.fromkeys((*PIPES, *EVENTS), 0.0)
         for pipe_name, count in self.straight.items():
             total[pipe_name] += count
-        for i, loop in enumerate(self.loops):
+        for loop, weight in zip(self.loops, self.weights(trips)):
             for pipe_name, count in loop.counts.items():
-                total[pipe_name] += count * trips[i]
+                total[pipe_name] += count * weight
         return total
 
     def to_dict(self) -> dict:
@@ -145,45 +158,162 @@ def parse(text: str, kernel: str | None = None) -> list[Instruction]:
             address = int(m.group("address"), 16)
             labels.update(dict.fromkeys(pending, address))
             pending = []
-            raw.append((address, m.group("opcode"), m.group("operands").strip(), line))
+            raw.append((address, m.group("opcode"), m.group("operands").strip(), line, bool(m.group("predicate"))))
     instructions = []
-    for address, opcode, operands, source in raw:
+    for address, opcode, operands, source, predicated in raw:
         target = None
         if opcode.split(".")[0] in ("BRA", "BRX", "JMP") and (m := _TARGET.search(operands)):
             target = labels.get(int(m.group(1)))
-        instructions.append(Instruction(address, opcode, operands, source, target))
+        instructions.append(Instruction(address, opcode, operands, source, target, predicated))
     return instructions
 
 
+def _blocks(instructions: list[Instruction]) -> tuple[list[range], list[list[int]]]:
+    """Basic blocks (instruction index ranges) and their successors: a branch's target, and the next block unless
+    the block ends in an unconditional branch, EXIT or RET."""
+    at = {ins.address: i for i, ins in enumerate(instructions)}
+    leaders = {0}
+    for i, ins in enumerate(instructions):
+        base = ins.opcode.split(".")[0]
+        if ins.target is not None and ins.target in at:
+            leaders.add(at[ins.target])
+        if base in _CONTROL:
+            leaders.add(i + 1)
+    starts = sorted(leader for leader in leaders if leader < len(instructions))
+    blocks = [range(a, b) for a, b in zip(starts, [*starts[1:], len(instructions)])]
+    block_of = {block.start: k for k, block in enumerate(blocks)}
+    successors = []
+    for k, block in enumerate(blocks):
+        last = instructions[block[-1]]
+        base = last.opcode.split(".")[0]
+        found = [block_of[at[last.target]]] if last.target is not None and last.target in at else []
+        ends = base in ("EXIT", "RET", "BRA", "JMP") and not last.predicated
+        if not ends and k + 1 < len(blocks):
+            found.append(k + 1)
+        successors.append(found)
+    return blocks, successors
+
+
+def _dominators(successors: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(immediate dominator of each block reachable from block 0, -1 elsewhere; reverse postorder), by Cooper,
+    Harvey and Kennedy's iterative algorithm."""
+    order, seen, stack = [], {0}, [(0, iter(successors[0]))]
+    while stack:
+        node, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            order.append(node)
+            stack.pop()
+        elif child not in seen:
+            seen.add(child)
+            stack.append((child, iter(successors[child])))
+    order.reverse()
+    rank = {node: i for i, node in enumerate(order)}
+    predecessors: dict[int, list[int]] = {node: [] for node in order}
+    for node in order:
+        for child in successors[node]:
+            predecessors[child].append(node)
+    idom = [-1] * len(successors)
+    idom[0] = 0
+    changed = True
+    while changed:
+        changed = False
+        for node in order[1:]:
+            ready = [p for p in predecessors[node] if idom[p] >= 0]
+            new = ready[0]
+            for other in ready[1:]:
+                a, b = new, other
+                while a != b:
+                    while rank[a] > rank[b]:
+                        a = idom[a]
+                    while rank[b] > rank[a]:
+                        b = idom[b]
+                new = a
+            if idom[node] != new:
+                idom[node], changed = new, True
+    return idom, order
+
+
+def _dominates(idom: list[int], a: int, b: int) -> bool:
+    while b != a and b != 0:
+        b = idom[b]
+    return b == a
+
+
 def count(instructions: list[Instruction]) -> Profile:
-    """Per-pipe counts outside loops and per loop body, loops found from back edges."""
-    ends: dict[int, Instruction] = {}  # loop start -> its last back-edge branch
-    for ins in instructions:
-        if ins.target is not None and ins.target < ins.address:
-            if ins.target not in ends or ends[ins.target].address < ins.address:
-                ends[ins.target] = ins
-    spans = sorted(((start, branch.address, branch.line) for start, branch in ends.items()),
-                   key=lambda span: (span[0], -span[1]))
-    parents, open_loops = [], []
-    for i, (start, end, _) in enumerate(spans):
-        while open_loops and spans[open_loops[-1]][1] < start:
-            open_loops.pop()
-        parents.append(open_loops[-1] if open_loops else -1)
-        open_loops.append(i)
-    counts = [dict.fromkeys((*PIPES, *EVENTS), 0) for _ in spans]
-    straight = dict.fromkeys((*PIPES, *EVENTS), 0)
-    for ins in instructions:
-        if ins.opcode in ("NOP",) or ins.opcode.startswith("BRA") and ins.target == ins.address:
-            continue  # padding after EXIT and the self-branch that ends every kernel
-        inner = max((i for i, (start, end, _) in enumerate(spans) if start <= ins.address <= end), default=-1,
-                    key=lambda i: spans[i][0])
-        counted = counts[inner] if inner >= 0 else straight
-        counted[pipe(ins.opcode)] += 1
-        if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
-            counted[event] += 1
-    loops = tuple(Loop(start, end, parent, counts[i], line)
-                  for i, ((start, end, line), parent) in enumerate(zip(spans, parents)))
-    return Profile(straight, loops)
+    """Per-pipe counts outside loops and per loop trip (nested loops excluded). Loops are natural loops: a back
+    edge is a branch to a block that dominates it, and its loop is every block that reaches the branch without
+    passing the header (so code ptxas lays out of line, a barrier's retry path, stays in its own loop). Code
+    that cannot be reached from the entry (the self-branch after EXIT) is not counted. Sibling loops that reach
+    one another lie on one path; paths that no loop joins are exclusive (warp-specialized roles: a producer's
+    loops, each consumer's): a warp runs one of them, so each path is given an equal share of the warps."""
+    empty = dict.fromkeys((*PIPES, *EVENTS), 0)
+    if not instructions:
+        return Profile(dict(empty))
+    blocks, successors = _blocks(instructions)
+    idom, reachable = _dominators(successors)
+    predecessors: dict[int, list[int]] = {k: [] for k in range(len(blocks))}
+    for k in reachable:
+        for child in successors[k]:
+            predecessors[child].append(k)
+    bodies: dict[int, set] = {}  # header block -> loop blocks
+    latch: dict[int, int] = {}  # header block -> its last back-edge block
+    for k in reachable:
+        for header in successors[k]:
+            if _dominates(idom, header, k):
+                body, work = bodies.setdefault(header, {header}), [k]
+                while work:
+                    node = work.pop()
+                    if node not in body:
+                        body.add(node)
+                        work += predecessors[node]
+                latch[header] = max(latch.get(header, k), k)
+    headers = list(bodies)
+    parent_of = {h: min((g for g in headers if g != h and h in bodies[g]), key=lambda g: len(bodies[g]), default=None)
+                 for h in headers}
+
+    def depth(h):
+        return 0 if parent_of[h] is None else 1 + depth(parent_of[h])
+
+    headers.sort(key=lambda h: (depth(h), blocks[h].start))
+    index = {h: i for i, h in enumerate(headers)}
+    counts = [dict(empty) for _ in headers]
+    straight = dict(empty)
+    innermost = {}
+    for h in sorted(headers, key=lambda g: -len(bodies[g])):  # smaller loops overwrite the loops around them
+        innermost.update(dict.fromkeys(bodies[h], index[h]))
+    for k in reachable:
+        counted = counts[innermost[k]] if k in innermost else straight
+        for i in blocks[k]:
+            ins = instructions[i]
+            if ins.opcode == "NOP":
+                continue
+            counted[pipe(ins.opcode)] += 1
+            if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
+                counted[event] += 1
+    reaches = {h: _reachable(successors, h) for h in headers}
+    role = {}  # header -> a representative of the siblings it shares a path with
+    for h in headers:
+        role[h] = next((g for g in role if parent_of[g] == parent_of[h] and (g in reaches[h] or h in reaches[g])), h)
+        role[h] = role[role[h]]
+    roles = {parent: len({role[h] for h in headers if parent_of[h] == parent}) for parent in set(parent_of.values())}
+    loops = []
+    for h in headers:
+        branch = instructions[blocks[latch[h]][-1]]
+        parent = -1 if parent_of[h] is None else index[parent_of[h]]
+        loops.append(Loop(instructions[blocks[h].start].address, branch.address, parent, counts[index[h]],
+                          branch.line, share=1.0 / roles[parent_of[h]]))
+    return Profile(straight, tuple(loops))
+
+
+def _reachable(successors: list[list[int]], start: int) -> set:
+    found, work = set(), [start]
+    while work:
+        node = work.pop()
+        if node not in found:
+            found.add(node)
+            work += successors[node]
+    return found
 
 
 def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> list[float]:

@@ -12,7 +12,8 @@ serves every problem size of a kernel; the walk itself takes a fraction of a sec
 What counts, each time it executes:
 - a load from / a store to a parameter buffer (global memory): its element size times its lanes;
 - a pointer to a parameter buffer handed to an intrinsic (`tvm_access_ptr`: cp.async sources, atomics): its
-  extent in elements, read and/or written as its access mask says (an atomic both).
+  extent in elements, read and/or written as its access mask says (an atomic both);
+- an explicit TMA copy (`T.tma_copy`: tma_load / tma_store of a create_tma_descriptor): its whole box.
 An access executes once per point of the box of its enclosing thread bindings (blockIdx, threadIdx) and loops
 (vectorized lanes included) that satisfies its guards: the enclosing if-conditions, the condition of an
 if_then_else / Select it sits in (the branch not taken moves nothing), a cp.async's predicate, and the bounds of
@@ -31,7 +32,7 @@ neither the address nor a guard involves does not multiply it, so a value every 
 read outside T.Parallel, a broadcast element) counts once per CTA; no rounding to sectors, no coalescing, no L2
 (the model's business). Copies of one load within a statement under the same guards count once, as the compiled
 code loads once (a T.macro expanding its argument twice). A parameter's data pointer used any other way (a TMA
-descriptor, address_of) raises NotImplementedError rather than go uncounted. Every CTA is counted: sampled = ctas.
+descriptor the count cannot read, address_of) raises NotImplementedError rather than go uncounted. Every CTA is counted: sampled = ctas.
 """
 
 from __future__ import annotations
@@ -304,6 +305,9 @@ class _Counter:
             with self.guarded(node.args[3]):
                 for arg in node.args[:3]:
                     self.expr(arg)
+        elif op in ("tl.tma_load", "tl.tma_store") and isinstance(node.args[0], E.Call) \
+                and _op_name(node.args[0]) == "tl.create_tma_descriptor":
+            self.tma(node, load=op == "tl.tma_load")
         elif op == "tirx.address_of":
             load = node.args[0]
             if load.buffer.data in self.globals:
@@ -333,6 +337,26 @@ class _Counter:
         if mask.value & 1:
             self.bytes_read += moved
         if mask.value & 2:
+            self.bytes_written += moved
+
+    def tma(self, node: E.Call, load: bool):
+        """tma_load(descriptor, barrier, shared pointer, coordinates...) / tma_store(descriptor, shared pointer,
+        coordinates...): the descriptor's box (create_tma_descriptor(type, rank, pointer, sizes[rank],
+        strides[rank], box[rank], ...)) in elements of its buffer, once per execution. The whole box counts: TMA's
+        out-of-bounds clipping is not modelled (an upper bound at tails)."""
+        descriptor = node.args[0]
+        rank = self.constant(descriptor.args[1], "a TMA descriptor's rank")
+        data = descriptor.args[2]
+        box = [self.constant(extent, "a TMA box extent") for extent in descriptor.args[3 + 2 * rank: 3 + 3 * rank]]
+        coordinates = node.args[3:] if load else node.args[2:]
+        for arg in (*descriptor.args[3:], *node.args[1:]):
+            self.expr(arg)
+        if data not in self.globals:
+            return
+        moved = self.executions(coordinates) * math.prod(box) * _bytes(self.globals[data].dtype)
+        if load:
+            self.bytes_read += moved
+        else:
             self.bytes_written += moved
 
     # ------------------------------------------------------------------ scopes and evaluation
