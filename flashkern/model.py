@@ -256,13 +256,17 @@ def _fill(ctas: int, resident: int, device: Device) -> tuple[int, float]:
 
 
 def hbm_bytes(traffic: LaunchTraffic, device: Device) -> float:
-    """Bytes that come from HBM: first touches (up to the footprint of the launch's tensors) at least; re-reads
-    too, in the fraction of the footprint L2 cannot hold (all of them without an L2 figure or a footprint)."""
-    if not traffic.footprint or not device.l2_bytes:
+    """Bytes that come from HBM. Per tensor (where the count attributes its bytes): first touches, up to its size;
+    re-reads too, in the fraction of the re-read tensors' total size that L2 cannot hold. Without a per-tensor
+    count the launch's footprint stands for one tensor; without either, or an L2 figure, every byte."""
+    if not device.l2_bytes or not (traffic.tensors or traffic.footprint):
         return traffic.bytes
-    first = min(traffic.bytes, traffic.footprint)
-    missed = max(0.0, 1.0 - device.l2_bytes / traffic.footprint)
-    return first + (traffic.bytes - first) * missed
+    tensors = list(traffic.tensors) or [(traffic.bytes, traffic.footprint)]
+    unattributed = traffic.bytes - sum(requested for requested, _ in tensors)
+    re_read = [(requested, size) for requested, size in tensors if requested > size]
+    missed = max(0.0, 1.0 - device.l2_bytes / sum(size for _, size in re_read)) if re_read else 0.0
+    return (max(unattributed, 0.0) + sum(min(requested, size) for requested, size in tensors)
+            + sum(requested - size for requested, size in re_read) * missed)
 
 
 def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: Device) -> tuple[float, str]:

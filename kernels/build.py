@@ -239,6 +239,7 @@ class LaunchTraffic:
     footprint: float = dataclasses.field(default=0.0, compare=False)  # bytes of every tensor the launch can touch
     lines: tuple = dataclasses.field(default=(), compare=False)  # ((file, line), runs per CTA) where the count ran
     sizes: tuple = dataclasses.field(default=(), compare=False)  # (name, value): scalar parameters and sizes
+    tensors: tuple = dataclasses.field(default=(), compare=False)  # (bytes requested, bytes stored) per tensor
 
     @property
     def bytes(self) -> float:

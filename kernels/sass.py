@@ -34,6 +34,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
+
 ISSUE_RATE = {"fma": 1.0, "fmaheavy": 0.5, "alu": 0.5, "xu": 0.125, "lsu": 0.25, "tensor": 1.0, "other": 1.0}
 PIPES = tuple(ISSUE_RATE)
 
@@ -347,22 +349,30 @@ _SAFE = re.compile(r"^[\w\s+\-*/%<>&|^(),]*$")
 
 def for_extent(header: str, sizes: dict) -> float | None:
     """Trips per entry of a CUDA C `for (int v = A; v < B; ++v)` (or `v += S`) header whose bounds are integer
-    arithmetic of `sizes` (name -> value); None for any other form."""
+    arithmetic of `sizes` (name -> value; "blockIdx.x" and friends -> the grid's extent, over which a bound that
+    reads them is averaged); None for any other form."""
     m = _FOR.match(header)
     if m is None:
         return None
+    axes = "xyz"
+    names = {name: value for name, value in sizes.items() if not name.startswith("blockIdx.")}
+    for i, axis in enumerate(axes):
+        extent = sizes.get(f"blockIdx.{axis}", 1)
+        names[f"blockIdx_{axis}"] = np.arange(extent).reshape([-1 if j == i else 1 for j in range(3)])
     values = []
     for bound in (m.group("start"), m.group("end")):
-        text = _CAST.sub("", bound).replace("/", "//")
-        if not _SAFE.match(text) or any(name not in sizes and name not in ("min", "max")
+        text = _CAST.sub("", bound).replace("/", "//").replace("blockIdx.", "blockIdx_")
+        if not _SAFE.match(text) or any(name not in names and name not in ("min", "max")
                                         for name in re.findall(r"[A-Za-z_]\w*", text)):
             return None
         try:
-            values.append(eval(text, {"__builtins__": {}, "min": min, "max": max}, dict(sizes)))  # noqa: S307
+            values.append(eval(text, {"__builtins__": {}, "min": np.minimum, "max": np.maximum}, names))  # noqa: S307
         except (ArithmeticError, SyntaxError, TypeError):
             return None
     step = int(m.group("step") or 1)
-    return max(0, -(-(values[1] - values[0]) // step))
+    trips = np.maximum(0, -(-(np.asarray(values[1]) - np.asarray(values[0])) // step))
+    grid = np.broadcast_to(trips, [sizes.get(f"blockIdx.{axis}", 1) for axis in axes])
+    return float(grid.mean())
 
 
 @functools.cache

@@ -81,6 +81,8 @@ def test_a_kernel_that_reads_its_input_twice_moves_twice_the_input():
     once = model.predict(Cost(flops=n, bytes=8 * n), [(report, traffic)], H200)  # x read once, y written once
     assert traffic.bytes_read == 2 * 4 * n and traffic.bytes_written == 4 * n
     assert once.traffic_ratio == pytest.approx(1.5)  # (2 reads + 1 write) / (1 + 1)
+    assert traffic.tensors == ((8 * n, 4 * n), (4 * n, 4 * n)) or traffic.tensors == ((4 * n, 4 * n), (8 * n, 4 * n))
+    assert model.hbm_bytes(traffic, H200) == 8 * n  # x's second read hits L2
     reads_only = model.predict(Cost(flops=n, bytes=4 * n), [(report, LaunchTraffic(8, 8 * n, 0, 8))], H200)
     assert reads_only.traffic_ratio == pytest.approx(2.0)
 
@@ -119,6 +121,9 @@ def test_re_reads_inside_l2_are_charged_at_l2_bandwidth():
     cold = LaunchTraffic(132, 3 * big, 0, 132, footprint=big)
     assert model.hbm_bytes(cold, H200) == pytest.approx(big + 2 * big / 2)
     assert model.hbm_bytes(LaunchTraffic(132, 3 * big, 0, 132), H200) == 3 * big  # no footprint: no L2 credit
+    # per tensor: a small re-read table beside a large tensor streamed once hits L2 whatever the large one's size
+    mixed = LaunchTraffic(132, 8 * small + big, 0, 132, footprint=small + big, tensors=((8 * small, small), (big, big)))
+    assert model.hbm_bytes(mixed, H200) == small + big
 
 
 DOT_BUILD = textwrap.dedent("""

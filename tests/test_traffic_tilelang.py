@@ -42,7 +42,9 @@ def test_tiled_copy_moves_each_element_once(n):
     model's context comes along: the tensors' footprint and the sizes (for loop bounds)."""
     counted = measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)])
     assert counted == _traffic(8, n * F32, n * F32)
-    assert counted.footprint == 2 * n * F32 and counted.sizes == (("N", n),)
+    assert counted.footprint == 2 * n * F32 and counted.sizes == (("N", n), ("blockIdx.x", 8))
+    assert sorted(counted.tensors) == [(n * F32, n * F32)] * 2  # each tensor moved once: no re-read
+
 
 
 def test_a_tail_too_large_to_enumerate_counts_whole_tiles(monkeypatch):
@@ -84,7 +86,10 @@ def test_reading_the_input_twice_counts_twice():
                 B[bx * TILE + i] = first[i] + second[i]
 
     n = 4 * TILE
-    assert measure(doubled, [torch.zeros(n), torch.zeros(n)]) == _traffic(4, 2 * n * F32, n * F32)
+    counted = measure(doubled, [torch.zeros(n), torch.zeros(n)])
+    assert counted == _traffic(4, 2 * n * F32, n * F32)
+    # by tensor (the model's L2 sees A's re-reads only): A requested twice its size, B once
+    assert counted.tensors == ((2 * n * F32, n * F32), (n * F32, n * F32))
 
 
 def test_one_element_twice_in_one_expression_is_one_read():

@@ -250,7 +250,10 @@ def _build_sm90(prim_func, pass_configs: dict | None) -> BuildReport:
         src = os.path.join(tmp, "kernel.cu")
         with open(src, "w") as f:
             f.write(source)
-        cmd = [nvcc, "-std=c++17", f"-arch={SM90_ARCH}", "-ptx", "-lineinfo", "-w", "-o", os.path.join(tmp, "kernel.ptx"), src]
+        # C++20 and fast math (when the kernel asks for it) as TileLang's own CUDA build uses them
+        fast_math = ["--use_fast_math"] if (pass_configs or {}).get("tl.enable_fast_math") else []
+        cmd = [nvcc, "-std=c++20", f"-arch={SM90_ARCH}", "-ptx", "-lineinfo", "-w", *fast_math,
+               "-o", os.path.join(tmp, "kernel.ptx"), src]
         for inc in _include_dirs():
             cmd += ["-I", inc]
         proc = subprocess.run(cmd, capture_output=True, text=True)

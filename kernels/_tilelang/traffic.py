@@ -81,7 +81,21 @@ def measure(prim_func, args: list, pass_configs: dict | None = None) -> LaunchTr
     counter.stmt(body)
     return LaunchTraffic(ctas=counter.ctas, bytes_read=counter.bytes_read, bytes_written=counter.bytes_written,
                          sampled=counter.ctas, exact=counter.exact, footprint=_footprint(args),
-                         sizes=tuple(sorted((var.name, int(value.value)) for var, value in sizes.items())))
+                         tensors=_per_tensor(func, args, counter.per_buffer),
+                         sizes=tuple(sorted([(var.name, int(value.value)) for var, value in sizes.items()]
+                                            + list(counter.grid.items()))))
+
+
+def _per_tensor(func, args: list, per_buffer: dict) -> tuple:
+    """(bytes requested, bytes stored) per distinct storage behind the tensor arguments."""
+    found: dict = {}
+    for param, arg in zip(func.params, args):
+        buffer = func.buffer_map.get(param)
+        if buffer is not None and hasattr(arg, "untyped_storage"):
+            storage = arg.untyped_storage()
+            requested, size = found.get(storage.data_ptr(), (0.0, storage.nbytes()))
+            found[storage.data_ptr()] = (requested + per_buffer.get(buffer.data, 0.0), size)
+    return tuple((requested, float(size)) for requested, size in found.values())
 
 
 def _footprint(args: list) -> float:
@@ -180,8 +194,10 @@ class _Counter:
         self.held: dict = {}  # an assign-once local's data pointer -> the value stored to it
         self.counts: dict = {}  # a group of guards -> (the group, points satisfying it): kept alive, keyed by id
         self.ctas = 1
+        self.grid: dict = {}  # "blockIdx.x" ... -> extent
         self.bytes_read = 0.0
         self.bytes_written = 0.0
+        self.per_buffer: dict = {}  # a parameter buffer's data pointer -> bytes requested of it
         self.exact = True
 
     # ------------------------------------------------------------------ statements
@@ -231,6 +247,7 @@ class _Counter:
         extent = self.constant(node.value, f"the extent of {tag}")
         if tag.startswith("blockIdx."):
             self.ctas *= extent
+            self.grid[tag] = extent
         elif tag.startswith("threadIdx."):
             self.threads.add(node.node.var)
         with self.dimension(node.node.var, 0, extent):
@@ -252,7 +269,7 @@ class _Counter:
 
     def store(self, node: S.BufferStore):
         if node.buffer.data in self.globals:
-            self.bytes_written += self.executions(node.indices) * _bytes(node.value.dtype)
+            self.moved(node.buffer.data, 0, self.executions(node.indices) * _bytes(node.value.dtype))
         elif node.buffer.data in self.assigned_once:
             self.held[node.buffer.data] = self.resolve(node.value)
         self.expr(node.value)
@@ -265,7 +282,7 @@ class _Counter:
         """Count the global accesses evaluating `node` makes."""
         if isinstance(node, E.BufferLoad):
             if node.buffer.data in self.globals and self.first_load(node):
-                self.bytes_read += self.executions(node.indices) * _bytes(node.dtype)
+                self.moved(node.buffer.data, self.executions(node.indices) * _bytes(node.dtype), 0)
             for index in node.indices:
                 self.expr(index)
         elif isinstance(node, E.Call):
@@ -334,10 +351,7 @@ class _Counter:
             return
         moved = self.executions([offset]) * self.constant(extent, f"a pointer extent into {self.globals[data].name}") \
             * _bytes(annotation.dtype)
-        if mask.value & 1:
-            self.bytes_read += moved
-        if mask.value & 2:
-            self.bytes_written += moved
+        self.moved(data, moved if mask.value & 1 else 0, moved if mask.value & 2 else 0)
 
     def tma(self, node: E.Call, load: bool):
         """tma_load(descriptor, barrier, shared pointer, coordinates...) / tma_store(descriptor, shared pointer,
@@ -354,10 +368,12 @@ class _Counter:
         if data not in self.globals:
             return
         moved = self.executions(coordinates) * math.prod(box) * _bytes(self.globals[data].dtype)
-        if load:
-            self.bytes_read += moved
-        else:
-            self.bytes_written += moved
+        self.moved(data, moved if load else 0, 0 if load else moved)
+
+    def moved(self, data, read: float, written: float):
+        self.bytes_read += read
+        self.bytes_written += written
+        self.per_buffer[data] = self.per_buffer.get(data, 0.0) + read + written
 
     # ------------------------------------------------------------------ scopes and evaluation
 

@@ -73,6 +73,14 @@ _ACCESSES = {
 class _Totals:
     read: int = 0
     written: int = 0
+    starts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # storages, sorted
+    ends: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    per_storage: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))  # bytes requested of each
+
+    def attribute(self, address: int, nbytes: int):
+        i = int(np.searchsorted(self.starts, address, side="right")) - 1
+        if i >= 0 and address < self.ends[i]:
+            self.per_storage[i] += nbytes
 
 
 TRACED_CTAS = 8  # sampled CTAs whose source lines are counted (trips of loops: flashkern.kernels.sass)
@@ -91,7 +99,10 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
     if ctas == 0:
         return LaunchTraffic(ctas=0, bytes_read=0.0, bytes_written=0.0, sampled=0)
     program_ids = [_program_id(index, grid) for index in _sampled_indices(ctas, max_ctas)]
-    totals = _Totals()
+    storages = _storages(launch.args.values())
+    totals = _Totals(starts=np.array([start for start, _ in storages], dtype=np.uint64),
+                     ends=np.array([start + size for start, size in storages], dtype=np.uint64),
+                     per_storage=np.zeros(len(storages)))
     counting = {name: functools.partial(_counted, access=access, totals=totals) for name, access in _ACCESSES.items()}
     traced = set(_sampled_indices(len(program_ids), TRACED_CTAS))
     with _LineCounter() as lines:
@@ -111,19 +122,21 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
     scale = ctas / len(program_ids)
     return LaunchTraffic(
         ctas=ctas, bytes_read=totals.read * scale, bytes_written=totals.written * scale, sampled=len(program_ids),
-        footprint=_footprint(launch.args.values()),
+        footprint=float(sum(size for _, size in storages)),
+        tensors=tuple((requested * scale, float(size)) for requested, (_, size) in zip(totals.per_storage, storages)),
         lines=tuple(sorted((where, count / len(traced)) for where, count in lines.counts.items())),
     )
 
 
-def _footprint(values) -> float:
-    """Bytes of the distinct storages behind the tensor arguments: all the launch can touch."""
+def _storages(values) -> list[tuple[int, int]]:
+    """(address, bytes) of the distinct storages behind the tensor arguments, by address: all the launch can
+    touch (the interpreter runs CPU tensors in place, so their addresses are the ones its pointers hold)."""
     storages = {}
     for value in values:
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
-    return float(sum(storages.values()))
+    return sorted(storages.items())
 
 
 class _LineCounter:
@@ -180,13 +193,15 @@ def _counted(method, access: _Access, totals: _Totals):
         arguments = signature.bind(*args, **kwargs).arguments
         pointers = arguments[access.pointers]
         if access.mask is None:
-            lanes = pointers.data.size
+            active = pointers.data.reshape(-1)
         else:
-            lanes = int(np.count_nonzero(np.broadcast_to(arguments[access.mask].data, pointers.data.shape)))
+            active = pointers.data[np.broadcast_to(arguments[access.mask].data, pointers.data.shape)]
         # pointer arithmetic treats int1 as a byte; the interpreter does the same
-        nbytes = lanes * max(1, pointers.dtype.element_ty.primitive_bitwidth // 8)
+        nbytes = active.size * max(1, pointers.dtype.element_ty.primitive_bitwidth // 8)
         totals.read += access.reads * nbytes
         totals.written += access.writes * nbytes
+        if active.size:
+            totals.attribute(int(active.min()), (access.reads + access.writes) * nbytes)
         return method(*args, **kwargs)
 
     return counting

@@ -1,0 +1,318 @@
+"""The performance model (flashkern.model) against public kernels whose authors publish Hopper timings.
+
+TileLang's own examples are built and modelled exactly as flashkern's TileLang kernels are: lowered for sm_90a,
+built with nvcc (resources, PTX census, SASS issue: kernels/sass), their traffic counted from the lowered
+program (kernels/_tilelang/traffic), then `model.predict` with the authors' own FLOP count. Their code is read
+from a TileLang checkout you name (never copied here); the figures quoted below are the authors'. Where an
+example computes the same operator as ours, both are modelled in the same run and the ratio printed (item 6 of
+issue 24: the gap as a ratio of predicted times).
+
+Run (about 15 minutes on 2 cores), from the repository root, with a checkout of tile-ai/tilelang:
+    python benchmarks/model_calibration.py --tilelang PATH --markdown docs/model-calibration.md \\
+        --json docs/model-calibration.json
+PATH holds `examples/` and `benchmark/` (the figures below were checked against commit a35008a4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.machinery
+import importlib.util
+import json
+import math
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import flashkern  # noqa: F401  (Triton's mode before any kernel module)
+import torch
+
+from flashkern import model, registry
+from flashkern.kernels import build
+from flashkern.registry import Cost
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launch of a public example: its file, the @tilelang.jit object, and the arguments at the figure's shape
+    (tensors as (shape, dtype) pairs; the walk needs only their shapes)."""
+
+    file: str
+    factory: str
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple = ()  # (shape, dtype) of the output parameters that follow the inputs
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kernels: tuple[Kernel, ...]
+    device: str  # the model's device for the GPU the figure was measured on (H800 = H100's memory and math)
+    flops: float  # the authors' FLOP count at this shape
+    min_bytes: float
+    published_tflops: float | None
+    source: str  # where the figure is published, and on which GPU
+    ours: tuple = ()  # (operator, problem, FLOPs of ours at that problem) for the side-by-side ratio
+    note: str = ""
+
+
+def _t(*shape, dtype="bfloat16"):
+    return (shape, dtype)
+
+
+def _bytes(*tensors) -> float:
+    return float(sum(math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+                     for shape, dtype in tensors))
+
+
+def _sparse_mla_fwd(file, kwargs, published, source, B=1, S=4096, SKV=8192, H=128, DQK=576, DV=512, topk=2048):
+    inputs = (_t(B, S, H, DQK), _t(B, SKV, 1, DQK), _t(B, S, 1, topk, dtype="int32"))
+    outputs = (_t(B, S, H, DV), _t(B, S, H, dtype="float32"))
+    pipelined = file.endswith("pipelined.py")
+    args = (*inputs, *((_t(1, dtype="int32"),) if pipelined else ()), H, DV, DQK - DV, topk,
+            *((1,) if pipelined else ()), 1, None, True, *((False,) if pipelined else ()))
+    flops = B * S * (DQK + DV) * topk * 2 * H
+    from flashkern.kernels.kv_cache.problem import AttentionProblem
+
+    ours = AttentionProblem(S, 512, 128, 64, swa=True, sink=True)  # V4.1: 64 heads, top-512 + window 128
+    return Case(Path(file).stem, (Kernel(file, "sparse_mla_fwd", args, kwargs, outputs),), "h100", flops,
+                _bytes(*inputs, *outputs), published, source,
+                ours=("sparse_decode_attention", ours, S * 64 * (512 + 128) * 2 * (512 + 512)),
+                note="ours: FP4 top-512 + MXFP8 window 128, 64 heads, 512-wide latent (K = V)")
+
+
+def _sparse_mla_bwd(device, published, source, B=1, S=4096, SKV=8192, H=64, DQKV=576, DV=512, topk=2048):
+    file = "examples/deepseek_v32/sparse_mla_bwd.py"
+    q, kv, do = _t(B, S, H, DQKV), _t(B, SKV, 1, DQKV), _t(B, S, H, DV)
+    indices, lse = _t(B, S, 1, topk, dtype="int32"), _t(B, S, H, dtype="float32")
+    dkv = _t(B, SKV, 1, DQKV, dtype="float32")
+    kernels = (Kernel(file, "preprocess", (do, do), outputs=(lse,)),
+               Kernel(file, "bwd", (q, kv, do, indices, lse, lse, dkv, H, DV, DQKV - DV, topk, 1, None, True),
+                      outputs=(q,)),
+               Kernel(file, "postprocess", (dkv, DV, DQKV - DV, 1), outputs=(kv,)))
+    flops = 2 * (2 * H * DV * topk + 3 * H * DQKV * topk) * S
+    return Case(f"sparse_mla_bwd ({device})", kernels, device, flops, _bytes(q, kv, do, do, indices, q, kv),
+                published, source)
+
+
+def _mla_decode(batch, kv_ctx, published, H=128, dim=512, pe=64):
+    file = "examples/deepseek_mla/example_mla_decode.py"
+    args = (batch, H, 1, kv_ctx, dim, pe, 64, 64, 1, (dim + pe) ** -0.5)
+    flops = 2 * batch * H * kv_ctx * (dim + pe) + 2 * batch * H * kv_ctx * dim
+    tensors = (_t(batch, H, dim, dtype="float16"), _t(batch, H, pe, dtype="float16"),
+               _t(batch, kv_ctx, 1, dim, dtype="float16"), _t(batch, kv_ctx, 1, pe, dtype="float16"),
+               _t(batch, H, dim, dtype="float16"))
+    return Case(f"mla_decode b{batch} kv{kv_ctx}", (Kernel(file, "flashattn", args),), "h100", flops,
+                _bytes(*tensors), published, "examples/deepseek_mla figures bs64/bs128_float16.png (H100), read off "
+                "the plot (+-5 TFLOPS)")
+
+
+def _matmul(folder, dtype, K, published, M=8192, N=8192):
+    config = dict(block_M=128, block_N=256, block_K=64 if dtype == "float16" else 128, num_stages=3, thread_num=256,
+                  enable_rasteration=True)
+    file = f"benchmark/{folder}/benchmark_matmul.py"
+    element = 2 if dtype == "float16" else 1
+    return Case(f"{folder} {M}x{N}x{K}", (Kernel(file, "matmul", (M, N, K, False), {**config, "policy": "square"}),),
+                "h100", 2 * M * N * K, float(element * (M * K + N * K) + 2 * M * N), published,
+                f"benchmark/{folder}/README.md (H800 SXM)",
+                note="the autotuned winner is not published: 128x256 tiles, 3 stages, 256 threads assumed")
+
+
+def cases() -> list[Case]:
+    from flashkern.kernels.indexer.problem import Indexer, LogitsProblem, TopkProblem
+
+    readme = "examples/deepseek_v32/README.md"
+    found = [
+        _sparse_mla_fwd("examples/deepseek_v32/sparse_mla_fwd_pipelined.py", {}, 600.0, f"{readme} (H800 SXM)"),
+        _sparse_mla_fwd("examples/deepseek_v32/sparse_mla_fwd.py", dict(block_I=64, num_stages=2, threads=256), None,
+                        "no figure published"),
+        _sparse_mla_bwd("h100", 100.0, f"{readme} (H800 SXM)"),
+        _sparse_mla_bwd("h200", 115.0, f"{readme} (H200 SXM)"),
+        _mla_decode(64, 1024, 322.0), _mla_decode(64, 8192, 455.0), _mla_decode(128, 4096, 445.0),
+        _mla_decode(128, 32768, 445.0),
+        _matmul("matmul", "float16", 1024, 628.0), _matmul("matmul", "float16", 8192, 758.0),
+        _matmul("matmul_fp8", "float8_e4m3fn", 1024, 1129.0), _matmul("matmul_fp8", "float8_e4m3fn", 8192, 1507.0),
+    ]
+    S, SKV, H, D = 4096, 8192, 32, 64
+    indexer_inputs = (_t(S * H, D, dtype="float8_e4m3fn"), _t(SKV, D, dtype="float8_e4m3fn"),
+                      _t(SKV, dtype="float32"), _t(S, H, dtype="float32"), _t(S, dtype="int32"), _t(S, dtype="int32"))
+    found.append(Case("fp8_lighting_indexer", (Kernel("examples/deepseek_v32/fp8_lighting_indexer.py",
+                                                      "mqa_attn_return_logits", indexer_inputs,
+                                                      outputs=(_t(S, SKV, dtype="float32"),)),),
+                      "h200", 2 * S * SKV * H * D, _bytes(*indexer_inputs, _t(S, SKV, dtype="float32")), None,
+                      "no figure published (FLOPs: every (q, kv) pair valid)",
+                      ours=("mqa_logits", LogitsProblem(S, SKV, Indexer(H, 128)), 2 * S * SKV * H * 128),
+                      note="ours at D = 128 (V4.1's indexer), the anchor at its default D = 64; the ratio is per FLOP"))
+    rows, positions, k = 64, 32768, 2048
+    topk_inputs = (_t(rows, positions, dtype="float32"), _t(rows, k, dtype="int32"), _t(rows, dtype="int32"),
+                   _t(rows, dtype="int32"))
+    found.append(Case("topk_selector", (Kernel("examples/deepseek_v32/topk_selector.py", "tl_topk_impl", topk_inputs),),
+                      "h200", 0.0, _bytes(*topk_inputs), None, "no figure published",
+                      ours=("topk_indices", TopkProblem(rows, positions, k), 0.0)))
+    return found
+
+
+# ---------------------------------------------------------------- building and modelling a public kernel
+
+def _import(root: Path, file: str):
+    path = root / file
+    name = "calibration_" + "_".join(Path(file).with_suffix("").parts)
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, str(path.parent))  # the examples import their siblings (utils.py)
+    if "einops" not in sys.modules and importlib.util.find_spec("einops") is None:
+        stub = types.ModuleType("einops")  # some examples' torch references use it; their kernels do not
+        stub.__spec__ = importlib.machinery.ModuleSpec("einops", None)
+        stub.rearrange = stub.repeat = stub.einsum = None
+        sys.modules["einops"] = stub
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _argument(value, device):
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str) and isinstance(value[0], tuple):
+        return torch.empty(value[0], dtype=getattr(torch, value[1]), device=device)
+    return value
+
+
+def model_kernel(root: Path, kernel: Kernel):
+    """(build report with the issue profile, traffic) of one public kernel at its shape."""
+    import tilelang.language as T
+    from tilelang import tvm
+
+    from flashkern.kernels._tilelang import build_sm90, traffic
+
+    factory = getattr(_import(root, kernel.file), kernel.factory)
+    factory = getattr(factory, "jit_impl", factory)  # under @autotune
+    kwargs = {k: (T.GemmWarpPolicy.Square if v == "square" else v) for k, v in kernel.kwargs.items()}
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        func = factory.get_tir(*(_argument(a, "meta") for a in kernel.args), **kwargs)
+    pass_configs = dict(factory.pass_configs or {})
+    with build.profiling_issue():
+        report = build_sm90(func, pass_configs)
+    tensors = [_argument(a, "cpu") for a in (*kernel.args, *kernel.outputs)
+               if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], str)]
+    params = [p for p in func.params if p in func.buffer_map]
+    if len(tensors) != len(params):  # lazy factories (sizes as ints) allocate every buffer from its static shape
+        tensors = [torch.empty([int(d) for d in func.buffer_map[p].shape],
+                               dtype=getattr(torch, str(func.buffer_map[p].dtype).replace("e4m3", "e4m3fn")
+                                             .replace("fnfn", "fn"))) for p in params]
+    return report, traffic.measure(func, tensors, pass_configs)
+
+
+def run(root: Path, names=None, log=print) -> list[dict]:
+    results = []
+    for case in cases():
+        if names and not any(n in case.name for n in names):
+            continue
+        start = time.perf_counter()
+        device = model.DEVICES[case.device]
+        try:
+            stages = [model_kernel(root, kernel) for kernel in case.kernels]
+            p = model.predict(Cost(flops=case.flops, bytes=case.min_bytes, math="bf16"), stages, device)
+            row = dict(case=case.name, device=device.name, source=case.source, note=case.note,
+                       published_tflops=case.published_tflops, flops=case.flops,
+                       kernel_seconds=p.kernel_seconds, bound=p.bound,
+                       terms=[{k: v for k, v in s.terms.items()} for s in p.stages],
+                       ctas=[s.traffic.ctas for s in p.stages], threads=[s.report.threads for s in p.stages],
+                       registers=[s.report.registers for s in p.stages], exact=all(s.traffic.exact for s in p.stages),
+                       traced=all(s.issue is not None and s.issue.traced for s in p.stages))
+            if case.flops:
+                row["model_tflops"] = case.flops / p.kernel_seconds / 1e12
+            if case.published_tflops:
+                row["published_seconds"] = case.flops / case.published_tflops / 1e12
+                row["model_over_published"] = p.kernel_seconds / row["published_seconds"]
+            if case.ours:
+                row.update(_ours(case, device, p.kernel_seconds))
+        except Exception as exc:  # a case that cannot be modelled is reported, the others still are
+            row = dict(case=case.name, device=device.name, source=case.source, error=f"{type(exc).__name__}: {exc}")
+        row["wall_seconds"] = time.perf_counter() - start
+        log(json.dumps({k: v for k, v in row.items() if k not in ("terms", "source", "note")}, default=str))
+        results.append(row)
+    return results
+
+
+def _ours(case: Case, device, anchor_seconds: float) -> dict:
+    op_name, problem, our_flops = case.ours
+    rows = model.evaluate_problems([(op_name, problem)], device, workers=1)
+    found = {}
+    for r in rows:
+        if r.default and r.prediction is not None:
+            p = r.prediction
+            found[r.impl] = dict(kernel_seconds=p.kernel_seconds, bound=p.bound,
+                                 ratio=p.kernel_seconds / anchor_seconds,
+                                 per_flop_ratio=(p.kernel_seconds / our_flops) / (anchor_seconds / case.flops)
+                                 if our_flops and case.flops else None)
+        elif r.default:
+            found[r.impl] = dict(error=r.error)
+    return dict(ours_op=op_name, ours_problem=problem.key, ours=found)
+
+
+def markdown(results: list[dict], command: str) -> str:
+    lines = [f"Generated by `{command}`. Predictions of `flashkern.model`; published figures are the authors'.", "",
+             "| kernel | GPU (model) | published TFLOPS | published µs | model µs | model TFLOPS | model / published "
+             "| bound | CTAs x threads |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['device']} | | | not modelled: {r['error'][:80]} | | | | |")
+            continue
+        published = r.get("published_tflops")
+        lines.append(
+            f"| {r['case']} | {r['device']} | {published or '—'} | "
+            f"{r['published_seconds'] * 1e6:.0f} | " if published else f"| {r['case']} | {r['device']} | — | — | ")
+        lines[-1] += (f"{r['kernel_seconds'] * 1e6:.0f} | {r.get('model_tflops', 0):.0f} | "
+                      f"{r['model_over_published']:.2f} | " if published else
+                      f"{r['kernel_seconds'] * 1e6:.0f} | {r.get('model_tflops', 0):.0f} | — | ")
+        lines[-1] += f"{r['bound']} | {' + '.join(f'{c} x {t}' for c, t in zip(r['ctas'], r['threads']))} |"
+    lines += ["", "Terms per launch (µs): the model's time is the longest.", "",
+              "| kernel | launch | HBM | L2 | tensor | issue | latency |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for i, terms in enumerate(r.get("terms", [])):
+            lines.append(f"| {r['case']} | {i} | " + " | ".join(f"{terms.get(k, 0) * 1e6:.1f}" for k in
+                                                                 ("HBM", "L2", "tensor", "issue", "latency")) + " |")
+    side = [r for r in results if r.get("ours")]
+    if side:
+        lines += ["", "Ours beside the anchor computing the same operator (predicted kernel times, one run):", "",
+                  "| anchor | anchor µs | ours | ours µs (triton / tilelang) | ours / anchor | per FLOP | note |",
+                  "|---|---:|---|---:|---:|---:|---|"]
+        for r in side:
+            ours = r["ours"]
+            times = " / ".join(f"{ours[i]['kernel_seconds'] * 1e6:.0f}" if "kernel_seconds" in ours.get(i, {})
+                               else "—" for i in ("triton", "tilelang"))
+            ratios = " / ".join(f"{ours[i]['ratio']:.2f}" if "ratio" in ours.get(i, {}) else "—"
+                                for i in ("triton", "tilelang"))
+            per_flop = " / ".join(f"{ours[i]['per_flop_ratio']:.2f}" if ours.get(i, {}).get("per_flop_ratio")
+                                  else "—" for i in ("triton", "tilelang"))
+            lines.append(f"| {r['case']} | {r['kernel_seconds'] * 1e6:.0f} | {r['ours_op']} {r['ours_problem']} | "
+                         f"{times} | {ratios} | {per_flop} | {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tilelang", required=True, type=Path, help="a tile-ai/tilelang checkout")
+    parser.add_argument("--only", nargs="*", help="cases whose name contains one of these")
+    parser.add_argument("--markdown", help="write the tables here")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run(args.tilelang, args.only, log=lambda line: print(line, flush=True))
+    command = "python benchmarks/model_calibration.py --tilelang PATH" + \
+        (f" --markdown {args.markdown}" if args.markdown else "") + (f" --json {args.json}" if args.json else "")
+    text = markdown(results, command)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
