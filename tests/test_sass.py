@@ -113,3 +113,57 @@ def test_the_roofline_fraction_leaves_the_launch_out(built):
     assert p.seconds == pytest.approx(p.kernel_seconds + model.LAUNCH_SECONDS)
     assert p.graph_seconds == pytest.approx(p.kernel_seconds + model.GRAPH_LAUNCH_SECONDS)
     assert p.roofline_fraction < 0.1  # a tiny copy waits on a round trip, not on its bytes
+
+
+OUT_OF_LINE = textwrap.dedent("""\
+    //--------------------- .text.k            --------------------------
+    k:
+    \t//## File "k.cu", line 10
+            /*0000*/                   S2R R0, SR_TID.X ;
+    .L_x_0:
+    \t//## File "k.cu", line 12
+            /*0010*/                   FFMA R1, R1, R2, R3 ;
+            /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+            /*0030*/              @!P0 BRA `(.L_x_2) ;
+    .L_x_1:
+            /*0040*/                   FFMA R1, R1, R2, R3 ;
+            /*0050*/                   IADD3 R6, R6, 0x1, RZ ;
+            /*0060*/                   ISETP.NE.AND P1, PT, R6, R7, PT ;
+    \t//## File "k.cu", line 11
+            /*0070*/               @P1 BRA `(.L_x_0) ;
+            /*0080*/                   EXIT ;
+    .L_x_2:
+    \t//## File "barrier.h", line 47
+            /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+            /*00a0*/              @!P0 BRA `(.L_x_2) ;
+            /*00b0*/                   BRA `(.L_x_1) ;
+    .L_x_3:
+            /*00c0*/                   BRA `(.L_x_3);
+""")
+
+
+def test_out_of_line_retry_paths_are_their_own_loops_inside_the_loop_that_waits():
+    """ptxas lays a barrier's retry path out after EXIT: address ranges would make it span the main loop; the
+    control-flow graph keeps it a loop of its own, nested in the loop whose trip waits on it."""
+    profile = sass.count(sass.parse(OUT_OF_LINE))
+    main, retry = profile.loops
+    assert main.header == ("k.cu", 11) and main.parent == -1
+    assert retry.header == ("barrier.h", 47) and retry.parent == 0
+    assert main.counts["fma"] == 2 and main.counts["alu"] == 2  # its own body, the retry path excluded
+    assert retry.counts["lsu"] == 1
+    assert profile.straight["lsu"] == 1 and sum(profile.straight.values()) == 2  # S2R and EXIT; the self-branch: never
+    assert sass.trips(profile, {("k.cu", 11): 9}) == [8, 8]  # the wait: one trip per entry (not traced)
+
+
+@pytest.mark.parametrize("header, sizes, trips", [
+    ("for (int k = 0; k < ((N + 63) >> 6); ++k) {", {"N": 1000}, 16),
+    ("for (int k_1 = 0; k_1 < 16; ++k_1) {", {}, 16),
+    ("for (int i = 1; i < min(T, 8); i += 2) {", {"T": 7}, 3),
+    ("for (int i = 0; i < max(min(B, ((K + 31) >> 5) - (((int)blockIdx.z) * B)), 0); ++i) {",
+     {"B": 5, "K": 512, "blockIdx.z": 4, "blockIdx.x": 3}, 4),  # 5, 5, 5, 1 over the grid's z
+    ("for (int k = 0; k < (T / 4); ++k) {", {"T": 17}, 4),
+    ("for (int k = 0; k < (((int)threadIdx.x) + 1); ++k) {", {}, None),  # reads a variable sizes do not give
+    ("while (true) {", {}, None),
+])
+def test_cuda_c_loop_bounds_are_evaluated_with_the_sizes(header, sizes, trips):
+    assert sass.for_extent(header, sizes) == trips
