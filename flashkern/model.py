@@ -137,24 +137,16 @@ class Issue:
 
 
 def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
-    """Trips from the source lines the traffic count ran (kernels.sass.trips); dependent phases: one per CTA, one
-    per barrier outside loops, and one per trip of a loop whose own body has a barrier and whose loops load from
-    global memory synchronously (no cp.async / TMA in them: a pipelined loop waits on copies issued trips ago)."""
+    """Trips from the source lines the traffic count ran, or from loop bounds and sizes (kernels.sass.trips);
+    dependent phases: one per CTA, plus each global phase (a barrier reached with a blocking global load issued
+    since the last one; cp.async / TMA copies, which pipelined loops wait on stages later, do not count) as
+    often as it runs."""
     headers, sizes = dict(traffic.lines), dict(traffic.sizes)
     trips = sass.trips(profile, headers, sizes)
-    loads, copies = ([loop.counts["global_load"] for loop in profile.loops],
-                     [loop.counts["async_copy"] for loop in profile.loops])
-    for i in reversed(range(len(profile.loops))):  # children come after their parent
-        parent = profile.loops[i].parent
-        if parent >= 0:
-            loads[parent] += loads[i]
-            copies[parent] += copies[i]
-    phases = 1.0 + profile.straight["barrier"] + sum(
-        weight for loop, weight, load, copy in zip(profile.loops, profile.weights(trips), loads, copies)
-        if loop.counts["barrier"] and load and not copy)
+    executed = profile.executed(trips)
     traced = all(loop.header in headers or sass.for_extent(loop.header_text, sizes) is not None
                  for loop in profile.loops)
-    return Issue(profile.executed(trips), tuple(trips), traced, phases)
+    return Issue(executed, tuple(trips), traced, 1.0 + executed["global_phase"])
 
 
 @dataclass(frozen=True)

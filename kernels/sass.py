@@ -54,10 +54,12 @@ _PIPE_BY_OPCODE = {
     "tensor": ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA", "DMMA", "WARPGROUP", "BMMA"),
 }
 _PIPE = {opcode: pipe for pipe, opcodes in _PIPE_BY_OPCODE.items() for opcode in opcodes}
-# What the latency floor reads (flashkern.model): CTA barriers, loads that block on global memory, and
-# asynchronous copies (cp.async, TMA), which a pipelined loop waits on stages later.
+# What the latency floor reads (flashkern.model): CTA barriers, loads that block on global memory, asynchronous
+# copies (cp.async, TMA), which a pipelined loop waits on stages later, and global phases: barriers reached with
+# a blocking global load issued since the last barrier (in the same loop body or a loop inside it).
 EVENTS = {"barrier": ("BAR",), "global_load": ("LDG", "LD", "ATOMG", "ATOM"), "async_copy": ("LDGSTS", "UTMALDG",
-                                                                                             "UBLKCP")}
+                                                                                             "UBLKCP"),
+          "global_phase": ()}
 _EVENT = {opcode: event for event, opcodes in EVENTS.items() for opcode in opcodes}
 
 _CONTROL = ("BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL")  # instructions that end a basic block
@@ -284,8 +286,10 @@ def count(instructions: list[Instruction]) -> Profile:
     innermost = {}
     for h in sorted(headers, key=lambda g: -len(bodies[g])):  # smaller loops overwrite the loops around them
         innermost.update(dict.fromkeys(bodies[h], index[h]))
-    for k in reachable:
-        counted = counts[innermost[k]] if k in innermost else straight
+    pending: dict = {}  # region (loop index, -1 outside loops) -> a blocking global load since its last barrier
+    for k in sorted(reachable, key=lambda k: blocks[k].start):
+        region = innermost.get(k, -1)
+        counted = counts[region] if region >= 0 else straight
         for i in blocks[k]:
             ins = instructions[i]
             if ins.opcode == "NOP":
@@ -293,6 +297,15 @@ def count(instructions: list[Instruction]) -> Profile:
             counted[pipe(ins.opcode)] += 1
             if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
                 counted[event] += 1
+            if event == "global_load":
+                outer = region
+                while outer >= 0:  # a loop streaming global memory makes a phase of the body around it too
+                    pending[outer] = True
+                    outer = index.get(parent_of[headers[outer]], -1) if parent_of[headers[outer]] is not None else -1
+                pending[-1] = True
+            elif event == "barrier" and pending.get(region):
+                counted["global_phase"] += 1
+                pending[region] = False
     reaches = {h: _reachable(successors, h) for h in headers}
     role = {}  # header -> a representative of the siblings it shares a path with
     for h in headers:

@@ -16,7 +16,7 @@ import pytest
 from flashkern import model
 from flashkern.kernels import sass
 from flashkern.kernels._triton import traffic
-from flashkern.kernels.build import BuildReport
+from flashkern.kernels.build import BuildReport, LaunchTraffic
 from flashkern.registry import Cost
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -167,3 +167,33 @@ def test_out_of_line_retry_paths_are_their_own_loops_inside_the_loop_that_waits(
 ])
 def test_cuda_c_loop_bounds_are_evaluated_with_the_sizes(header, sizes, trips):
     assert sass.for_extent(header, sizes) == trips
+
+
+PHASES = textwrap.dedent("""\
+    //--------------------- .text.k            --------------------------
+    k:
+            /*0000*/                   LDG.E R1, desc[UR4][R2.64] ;
+            /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+            /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+    .L_x_0:
+    \t//## File "k.py", line 5
+            /*0030*/                   LDG.E R1, desc[UR4][R2.64] ;
+            /*0040*/                   STS [R3], R1 ;
+            /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+            /*0060*/                   LDS R4, [R3] ;
+            /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+            /*0080*/                   ISETP.NE.AND P1, PT, R6, R7, PT ;
+            /*0090*/               @P1 BRA `(.L_x_0) ;
+            /*00a0*/                   EXIT ;
+""")
+
+
+def test_a_global_phase_is_a_barrier_after_a_blocking_global_load():
+    """The first barrier after a load waits on global memory; the next one (shared-memory work only) does not;
+    in the loop, one phase per trip."""
+    profile = sass.count(sass.parse(PHASES))
+    assert profile.straight["barrier"] == 2 and profile.straight["global_phase"] == 1
+    (loop,) = profile.loops
+    assert loop.counts["barrier"] == 2 and loop.counts["global_phase"] == 1
+    counted = model.issue_of(profile, LaunchTraffic(1, 0, 0, 1, lines=((("k.py", 5), 11),)))
+    assert counted.trips == (10,) and counted.phases == 1 + 1 + 10
