@@ -182,10 +182,16 @@ def _import(root: Path, file: str):
     return module
 
 
+def _is_tensor(value) -> bool:
+    """A (shape, dtype name) pair from `_t`."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], str)
+
+
 def _argument(value, device):
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str) and isinstance(value[0], tuple):
-        return torch.empty(value[0], dtype=getattr(torch, value[1]), device=device)
-    return value
+    return torch.empty(value[0], dtype=getattr(torch, value[1]), device=device) if _is_tensor(value) else value
+
+
+_TORCH_DTYPES = {"float8_e4m3": torch.float8_e4m3fn}  # TileLang's buffer dtype names where torch's differ
 
 
 def model_kernel(root: Path, kernel: Kernel):
@@ -203,13 +209,12 @@ def model_kernel(root: Path, kernel: Kernel):
     pass_configs = dict(factory.pass_configs or {})
     with build.profiling_issue():
         report = build_sm90(func, pass_configs)
-    tensors = [_argument(a, "cpu") for a in (*kernel.args, *kernel.outputs)
-               if isinstance(a, tuple) and len(a) == 2 and isinstance(a[1], str)]
+    tensors = [_argument(a, "cpu") for a in (*kernel.args, *kernel.outputs) if _is_tensor(a)]
     params = [p for p in func.params if p in func.buffer_map]
     if len(tensors) != len(params):  # lazy factories (sizes as ints) allocate every buffer from its static shape
+        dtypes = [str(func.buffer_map[p].dtype) for p in params]
         tensors = [torch.empty([int(d) for d in func.buffer_map[p].shape],
-                               dtype=getattr(torch, str(func.buffer_map[p].dtype).replace("e4m3", "e4m3fn")
-                                             .replace("fnfn", "fn"))) for p in params]
+                               dtype=_TORCH_DTYPES.get(dtype) or getattr(torch, dtype)) for p, dtype in zip(params, dtypes)]
     return report, traffic.measure(func, tensors, pass_configs)
 
 
