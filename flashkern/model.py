@@ -144,7 +144,8 @@ def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
     headers, sizes = dict(traffic.lines), dict(traffic.sizes)
     trips = sass.trips(profile, headers, sizes)
     executed = profile.executed(trips)
-    traced = all(loop.header in headers or sass.for_extent(loop.header_text, sizes) is not None
+    traced = all(sass.header_executions(loop.header, headers) is not None
+                 or sass.for_extent(loop.header_text, sizes) is not None
                  for loop in profile.loops)
     return Issue(executed, tuple(trips), traced, 1.0 + executed["global_phase"])
 

@@ -33,6 +33,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -344,7 +345,7 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> l
         sharing[loop.header] = sharing.get(loop.header, 0) + 1
     for loop in profile.loops:
         entries = found[loop.parent] if loop.parent >= 0 else 1.0
-        executions = header_counts.get(loop.header)
+        executions = header_executions(loop.header, header_counts)
         if executions is None:
             extent = for_extent(loop.header_text, sizes or {})
             found.append(entries * (1 if extent is None else extent))
@@ -352,6 +353,27 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> l
             share = executions / sharing[loop.header]
             found.append(max(share - entries, share / 2))
     return found
+
+
+def header_executions(header: tuple[str, int] | None, header_counts: dict) -> float | None:
+    """How often the source line `header` (file, line) ran, from `header_counts` ((file, line) -> executions);
+    None if it did not. A build can name its files where they were when it was first compiled (Triton's cache
+    keys a kernel on its source, not its path), so a file seen under another path counts as the same file when
+    the paths end alike: the traced file that shares the longest tail of path components with it, at least its
+    name."""
+    if header is None or header in header_counts:
+        return header_counts.get(header)
+    file, line = header
+    tail = Path(file).parts[::-1]
+    best, best_shared = None, 0
+    for (other, other_line), executions in header_counts.items():
+        if other_line != line:
+            continue
+        shared = next((i for i, (a, b) in enumerate(zip(tail, Path(other).parts[::-1])) if a != b),
+                      min(len(tail), len(Path(other).parts)))
+        if shared > best_shared:
+            best, best_shared = executions, shared
+    return best
 
 
 _FOR = re.compile(r"^\s*for\s*\(\s*(?:int|int64_t|long|unsigned)?\s*(?P<var>\w+)\s*=\s*(?P<start>[^;]+);\s*(?P=var)\s*<"
