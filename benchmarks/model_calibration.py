@@ -126,6 +126,23 @@ def _matmul(folder, dtype, K, published, M=8192, N=8192):
                 note="the autotuned winner is not published: 128x256 tiles, 3 stages, 256 threads assumed")
 
 
+def _mamba2_chunk_scan(seq_len, published, batch=8, heads=80, groups=1, chunk=256, dim=64, dstate=128):
+    file = "benchmark/mamba2/benchmark_mamba_chunk_scan.py"
+    chunks = seq_len // chunk
+    tensors = (_t(batch, chunks, groups, chunk, chunk, dtype="float16"), _t(batch, seq_len, heads, dim, dtype="float16"),
+               _t(batch, heads, chunks, chunk, dtype="float16"), _t(batch, heads, chunks, chunk, dtype="float16"),
+               _t(batch, seq_len, groups, dstate, dtype="float16"),
+               _t(batch, chunks, heads, dim, dstate, dtype="float16"), _t(heads, dtype="float16"),
+               _t(batch, seq_len, heads, dim, dtype="float16"))
+    flops = 2 * batch * seq_len * chunk * heads * dim * 0.5 + 2 * batch * seq_len * heads * dim * dstate
+    return Case(f"mamba2_chunk_scan L{seq_len}", (Kernel(file, "chunk_scan_fwd",
+                                                         (batch, seq_len, chunk, groups, heads, dim, dstate)),),
+                "h100", flops, _bytes(*tensors), published, "benchmark/mamba2/README.md (H800 SXM)",
+                shape=f"batch {batch}, seqlen {seq_len}, heads {heads}, groups {groups}, chunk {chunk}, dim {dim}, "
+                f"dstate {dstate}, fp16", note="the autotuned winner is not published: the factory's defaults "
+                "(64x64x64 tiles, 2 stages, 128 threads) assumed")
+
+
 def cases() -> list[Case]:
     from flashkern.kernels.indexer.problem import Indexer, LogitsProblem, TopkProblem
 
@@ -140,6 +157,7 @@ def cases() -> list[Case]:
         _mla_decode(128, 32768, 445.0),
         _matmul("matmul", "float16", 1024, 628.0), _matmul("matmul", "float16", 8192, 758.0),
         _matmul("matmul_fp8", "float8_e4m3fn", 1024, 1129.0), _matmul("matmul_fp8", "float8_e4m3fn", 8192, 1507.0),
+        _mamba2_chunk_scan(1024, 126.477), _mamba2_chunk_scan(8192, 134.362), _mamba2_chunk_scan(32768, 135.379),
     ]
     S, SKV, H, D = 4096, 8192, 32, 64
     indexer_inputs = (_t(S * H, D, dtype="float8_e4m3fn"), _t(SKV, D, dtype="float8_e4m3fn"),
@@ -170,16 +188,43 @@ def _import(root: Path, file: str):
     if name in sys.modules:
         return sys.modules[name]
     sys.path.insert(0, str(path.parent))  # the examples import their siblings (utils.py)
-    if "einops" not in sys.modules and importlib.util.find_spec("einops") is None:
-        stub = types.ModuleType("einops")  # some examples' torch references use it; their kernels do not
-        stub.__spec__ = importlib.machinery.ModuleSpec("einops", None)
-        stub.rearrange = stub.repeat = stub.einsum = None
-        sys.modules["einops"] = stub
+    for module, names in _BASELINE_IMPORTS.items():
+        _stub(module, names)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a failed import is reported once per case, not half-imported for the next
+        raise
     return module
+
+
+# What the examples import for their torch references and baselines, which their TileLang kernels do not use: stood
+# in for by empty modules where not installed.
+_BASELINE_IMPORTS = {"einops": ("rearrange", "repeat", "einsum"),
+                     "mamba_ssm.ops.triton.ssd_chunk_scan": ("_chunk_scan_fwd",),
+                     "helion._testing": ("run_example",), "helion.language": ()}
+
+
+def _stub(module: str, names: tuple):
+    """An empty `module` (and its parents) with `names` set to None, unless the real one is importable."""
+    found = importlib.util.find_spec(module.partition(".")[0])
+    if found is not None and found.loader is not None:  # installed (a stub has no loader)
+        return
+    parent = None
+    for depth in range(1, module.count(".") + 2):
+        name = ".".join(module.split(".")[:depth])
+        stub = sys.modules.get(name)
+        if stub is None:
+            stub = sys.modules[name] = types.ModuleType(name)
+            stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        if parent is not None:
+            setattr(parent, name.rpartition(".")[2], stub)
+        parent = stub
+    for attribute in names:
+        setattr(parent, attribute, None)
 
 
 def _is_tensor(value) -> bool:

@@ -127,9 +127,6 @@ class Profile:
                 total[pipe_name] += count * weight
         return total
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     @staticmethod
     def from_dict(values: dict) -> Profile:
         loops = tuple(Loop(**{**loop, "header": tuple(loop["header"]) if loop["header"] else None})
@@ -199,9 +196,9 @@ def _blocks(instructions: list[Instruction]) -> tuple[list[range], list[list[int
     return blocks, successors
 
 
-def _dominators(successors: list[list[int]]) -> tuple[list[int], list[int]]:
-    """(immediate dominator of each block reachable from block 0, -1 elsewhere; reverse postorder), by Cooper,
-    Harvey and Kennedy's iterative algorithm."""
+def _dominators(successors: list[list[int]]) -> tuple[list[int], list[int], dict[int, list[int]]]:
+    """(immediate dominator of each block reachable from block 0, -1 elsewhere; reverse postorder; the reachable
+    predecessors of each block reachable), by Cooper, Harvey and Kennedy's iterative algorithm."""
     order, seen, stack = [], {0}, [(0, iter(successors[0]))]
     while stack:
         node, children = stack[-1]
@@ -236,7 +233,7 @@ def _dominators(successors: list[list[int]]) -> tuple[list[int], list[int]]:
                 new = a
             if idom[node] != new:
                 idom[node], changed = new, True
-    return idom, order
+    return idom, order, predecessors
 
 
 def _dominates(idom: list[int], a: int, b: int) -> bool:
@@ -256,11 +253,7 @@ def count(instructions: list[Instruction]) -> Profile:
     if not instructions:
         return Profile(dict(empty))
     blocks, successors = _blocks(instructions)
-    idom, reachable = _dominators(successors)
-    predecessors: dict[int, list[int]] = {k: [] for k in range(len(blocks))}
-    for k in reachable:
-        for child in successors[k]:
-            predecessors[child].append(k)
+    idom, reachable, predecessors = _dominators(successors)
     bodies: dict[int, set] = {}  # header block -> loop blocks
     latch: dict[int, int] = {}  # header block -> its last back-edge block
     for k in reachable:
@@ -308,11 +301,20 @@ def count(instructions: list[Instruction]) -> Profile:
                 counted["global_phase"] += 1
                 pending[region] = False
     reaches = {h: _reachable(successors, h) for h in headers}
-    role = {}  # header -> a representative of the siblings it shares a path with
+    role = {h: h for h in headers}  # union-find: siblings that share a path (one reaches the other) join one role
+
+    def representative(h):
+        while role[h] != h:
+            role[h] = role[role[h]]
+            h = role[h]
+        return h
+
     for h in headers:
-        role[h] = next((g for g in role if parent_of[g] == parent_of[h] and (g in reaches[h] or h in reaches[g])), h)
-        role[h] = role[role[h]]
-    roles = {parent: len({role[h] for h in headers if parent_of[h] == parent}) for parent in set(parent_of.values())}
+        for g in headers:
+            if g != h and parent_of[g] == parent_of[h] and g in reaches[h]:
+                role[representative(g)] = representative(h)
+    roles = {parent: len({representative(h) for h in headers if parent_of[h] == parent})
+             for parent in set(parent_of.values())}
     loops = []
     for h in headers:
         branch = instructions[blocks[latch[h]][-1]]

@@ -215,3 +215,42 @@ def test_a_global_phase_is_a_barrier_after_a_blocking_global_load():
     assert loop.counts["barrier"] == 2 and loop.counts["global_phase"] == 1
     counted = model.issue_of(profile, LaunchTraffic(1, 0, 0, 1, lines=((("k.py", 5), 11),)))
     assert counted.trips == (10,) and counted.phases == 1 + 1 + 10
+
+
+def _roles(joined: bool) -> str:
+    """Warps split by threadIdx into two loops on exclusive paths; with `joined`, both go on to a third loop."""
+    after = "            /*0080*/                   BRA `(.L_x_4) ;" if joined else "            /*0080*/                   EXIT ;"
+    return textwrap.dedent("""\
+        //--------------------- .text.k            --------------------------
+        k:
+                /*0000*/                   S2R R0, SR_TID.X ;
+                /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x80, PT ;
+                /*0020*/               @P0 BRA `(.L_x_2) ;
+        .L_x_0:
+                /*0030*/                   FFMA R1, R1, R2, R3 ;
+        \t//## File "k.py", line 10
+                /*0040*/               @P1 BRA `(.L_x_0) ;
+                /*0050*/                   BRA `(.L_x_4) ;
+        .L_x_2:
+                /*0060*/                   IADD3 R6, R6, 0x1, RZ ;
+        \t//## File "k.py", line 20
+                /*0070*/               @P1 BRA `(.L_x_2) ;
+        """) + after + textwrap.dedent("""
+        .L_x_4:
+                /*0090*/                   FFMA R1, R1, R2, R3 ;
+        \t//## File "k.py", line 30
+                /*00a0*/               @P1 BRA `(.L_x_4) ;
+                /*00b0*/                   EXIT ;
+        .L_x_5:
+                /*00c0*/                   BRA `(.L_x_5);
+        """)
+
+
+@pytest.mark.parametrize("joined, shares", [(False, [0.5, 0.5, 0.5]), (True, [1.0, 1.0, 1.0])])
+def test_loops_on_exclusive_paths_share_the_warps_until_a_loop_joins_them(joined, shares):
+    """Two sibling loops neither of which reaches the other are warp-specialized roles: each runs on half the warps
+    (the third loop, reached from the first only, shares its role); a third loop both reach joins them, and all
+    three lie on one path (a later loop merges the groups it joins)."""
+    profile = sass.count(sass.parse(_roles(joined)))
+    assert [loop.header[1] for loop in profile.loops] == [10, 20, 30]
+    assert [loop.share for loop in profile.loops] == shares
