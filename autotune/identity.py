@@ -2,10 +2,12 @@
 
 The source hash of an implementation covers the module that defines its kernel and, transitively,
 every flashkern.kernels module it uses (problem layout, the DSL's shared helpers, the codecs), so
-editing any of them makes earlier results stale. Two kinds of module are not kernel code and are not
-followed: the test-case strategies (`cases` modules), and the families that the root package
-`flashkern.kernels` holds as attributes once imported (it imports none itself), so editing one family
-leaves another's results current. The reference is hashed from its own module.
+editing any of them makes earlier results stale. Three kinds of module are not kernel code and are not
+followed: the test-case strategies (`cases` modules); the instruments that build, count and profile kernels
+for the model and the build checks (`INSTRUMENTS`), which change no kernel's output or speed; and the
+families that the root package `flashkern.kernels` holds as attributes once imported (it imports none
+itself), so editing one family leaves another's results current. The reference is hashed from its own
+module.
 """
 
 from __future__ import annotations
@@ -33,8 +35,12 @@ def library_versions() -> dict[str, str]:
             "flashkern": flashkern.__version__}
 
 
+INSTRUMENTS = frozenset(f"{_KERNELS}.{name}" for name in ("build", "sass", "_triton.traffic", "_tilelang.traffic"))
+
+
 def _is_kernel_code(module_name: str) -> bool:
-    return module_name.startswith(_KERNELS) and module_name.rpartition(".")[2] != "cases"
+    return (module_name.startswith(_KERNELS) and module_name.rpartition(".")[2] != "cases"
+            and module_name not in INSTRUMENTS)
 
 
 def _module_closure(name: str) -> list[str]:

@@ -2,6 +2,7 @@
 traffic ratio of a kernel that reads its input twice, a config that loses wgmma, and every implementation of
 one operator modelled end to end."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -224,12 +225,14 @@ def test_kernel_source_versions_do_not_depend_on_what_a_process_imported():
 @pytest.mark.parametrize("op_name", ["moe_route", "mhc_pre", "sparse_mqa_logits", "sparse_decode_attention"])
 def test_kernel_source_versions_cover_kernel_code_only(op_name, monkeypatch):
     """An implementation's version changes with its kernel module and the shared DSL modules, not with the test-case
-    strategies or another family's kernels: editing those must not make saved results and predictions stale."""
+    strategies, the model's instruments (build reports, SASS, traffic counts) or another family's kernels: editing
+    those must not make saved results and predictions stale."""
     op = registry.get(op_name)
     family = identity._entry_module(op, "triton").split(".")[2]
     for impl in ("triton", "tilelang"):
         closure = identity._module_closure(identity._entry_module(op, impl))
-        assert f"flashkern.kernels._{impl}" in closure and "flashkern.kernels.build" in closure
+        assert f"flashkern.kernels._{impl}" in closure and not identity.INSTRUMENTS & set(closure), closure
+        assert all(importlib.import_module(name) for name in identity.INSTRUMENTS)  # each names a real module
         assert not [m for m in closure if m.endswith(".cases")], closure
         others = [f for f in registry.FAMILIES if f != family]
         assert not [m for m in closure if any(m.startswith(f"flashkern.kernels.{f}") for f in others)], closure
