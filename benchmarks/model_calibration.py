@@ -129,7 +129,8 @@ def _matmul(folder, dtype, K, published, M=8192, N=8192):
 def _mamba2_chunk_scan(seq_len, published, batch=8, heads=80, groups=1, chunk=256, dim=64, dstate=128):
     file = "benchmark/mamba2/benchmark_mamba_chunk_scan.py"
     chunks = seq_len // chunk
-    tensors = (_t(batch, chunks, groups, chunk, chunk, dtype="float16"), _t(batch, seq_len, heads, dim, dtype="float16"),
+    tensors = (_t(batch, chunks, groups, chunk, chunk, dtype="float16"),
+               _t(batch, seq_len, heads, dim, dtype="float16"),
                _t(batch, heads, chunks, chunk, dtype="float16"), _t(batch, heads, chunks, chunk, dtype="float16"),
                _t(batch, seq_len, groups, dstate, dtype="float16"),
                _t(batch, chunks, heads, dim, dstate, dtype="float16"), _t(heads, dtype="float16"),

@@ -13,10 +13,11 @@ Per implementation, config and shape, for each kernel launch (stage):
   issue    the SASS each warp issues per pipe (kernels/sass: loops from back edges, counted per trip in a build
            with unrolling off), trips per CTA from the loop headers the traffic count ran (Triton: traced in the
            interpreter; loops without a traced header count one trip per entry), at each pipe's issue rate;
-  time     the longest of: HBM (bytes L2 does not serve / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested
-           byte at L2 bandwidth), tensor (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the
-           SM fill; issue (warp instructions over the busy sub-partitions); latency (dependent global phases per
-           CTA x a round trip, per wave). Then a launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a
+  time     the longest of: HBM (bytes L2 does not serve, `hbm_bytes`: tensors it holds, tiles co-resident
+           CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
+           (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
+           instructions over the busy sub-partitions); latency (dependent global phases per CTA x a round
+           trip, per wave). Then a launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a
            CUDA graph. The operator's flops go to its stage with tensor-core instructions (else to the stage that
            moves the most bytes).
 The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math), with no launch; the roofline
@@ -45,6 +46,11 @@ LAUNCH_SECONDS = 3e-6  # per kernel launch, from the host's launch to the grid's
 GRAPH_LAUNCH_SECONDS = 1.3e-6  # per kernel inside a CUDA graph on H100 (Hazy Research, "Look Ma, No Bubbles!", 2025)
 
 
+# Chips and Cheese ("Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023) measured 5.5 TB/s of L2 hits on an
+# H100 PCIe (114 SMs, 1755 MHz boost): per SM and clock, what the SXM parts' 132 SMs get at their own clock.
+L2_BYTES_PER_CLOCK_PER_SM = 5.5e12 / (114 * 1.755e9)
+
+
 @dataclass(frozen=True)
 class Device:
     """One GPU's figures the model uses, with where each comes from."""
@@ -54,7 +60,7 @@ class Device:
     hbm_bytes_per_s: float
     peak_flops: dict  # arithmetic ("fp8", "bf16", "fp16", "tf32", "int8": dense tensor cores; "fp32": CUDA cores)
     l2_bytes: int | None
-    l2_bytes_per_s: float = 5.5e12  # L2 hits, all SMs (Chips and Cheese, "Nvidia's H100: Funny L2...", H100 PCIe)
+    l2_bytes_per_clock_per_sm: float = L2_BYTES_PER_CLOCK_PER_SM  # L2 hits delivered to each SM per clock
     clock_hz: float = 1.83e9  # SM clock under tensor-core load (4096 FLOP/clk/SM x 132 x 1.83 GHz = 989 TFLOPS)
     global_round_trip_s: float = 0.5e-6  # a dependent global load + barrier + the phase's smem work (see below)
     sub_partitions: int = 4  # warp schedulers per SM, each issuing one warp instruction a cycle
@@ -66,10 +72,16 @@ class Device:
     max_ctas_per_sm: int = 32
     sources: str = ""
 
+    @property
+    def l2_bytes_per_s(self) -> float:
+        """L2 hit bandwidth, all SMs: each SM's port to L2 at the SM clock."""
+        return self.l2_bytes_per_clock_per_sm * self.sms * self.clock_hz
 
-_HOPPER_SOURCES = ("L2 hits 5.5 TB/s: Chips and Cheese's H100 PCIe measurement (near partition; 3.8 TB/s over all "
-                   "50 MB); global round trip 0.5 us: HBM latency about the 354 ns Chips and Cheese reads off H100 "
-                   "PCIe, plus the barrier; clock 1.83 GHz: the dense BF16 peak's; issue rates: kernels/sass.py")
+
+_HOPPER_SOURCES = ("L2 hits 27.5 B/clk/SM (6.6 TB/s on 132 SMs at 1.83 GHz): Chips and Cheese's H100 PCIe "
+                   "measurement, 5.5 TB/s on 114 SMs at 1755 MHz (near partition; 3.8 TB/s over all 50 MB); global "
+                   "round trip 0.5 us: HBM latency about the 354 ns Chips and Cheese reads off H100 PCIe, plus the "
+                   "barrier; clock 1.83 GHz: the dense BF16 peak's; issue rates: kernels/sass.py")
 
 
 def _hopper(name: str, hbm: float, sources: str) -> Device:
@@ -88,9 +100,9 @@ DEVICES = {
     "b200": Device("B200", sms=148, hbm_bytes_per_s=8e12, l2_bytes=None, peak_flops={
         "fp8": 4.5e15, "int8": 4.5e15, "bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15, "fp32": 75e12},
         sources="NVIDIA HGX B200 datasheet per GPU (dense = half the sparse figures), 148 SMs; FP32 CUDA-core peak "
-                "estimated as 148 SMs x 128 lanes x 2 x ~2 GHz; L2 not published (no L2 credit); L2 bandwidth, "
-                "clock, round trip and issue rates as Hopper's (not published); SM limits as compute capability "
-                "9.0 (CUDA C++ Programming Guide, 10.0)"),
+                "estimated as 148 SMs x 128 lanes x 2 x ~2 GHz; L2 not published (no L2 credit); L2 bandwidth "
+                "per SM and clock, clock, round trip and issue rates as Hopper's (not published); SM limits as "
+                "compute capability 9.0 (CUDA C++ Programming Guide, 10.0)"),
 }
 
 
@@ -248,18 +260,26 @@ def _fill(ctas: int, resident: int, device: Device) -> tuple[int, float]:
     return waves, min(ctas, device.sms) / device.sms if waves == 1 else ctas / (waves * slots)
 
 
-def hbm_bytes(traffic: LaunchTraffic, device: Device) -> float:
-    """Bytes that come from HBM. Per tensor (where the count attributes its bytes): first touches, up to its size;
-    re-reads too, in the fraction of the re-read tensors' total size that L2 cannot hold. Without a per-tensor
-    count the launch's footprint stands for one tensor; without either, or an L2 figure, every byte."""
-    if not device.l2_bytes or not (traffic.tensors or traffic.footprint):
+def hbm_bytes(traffic: LaunchTraffic, device: Device, resident_ctas: int = 1) -> float:
+    """Bytes that come from HBM, per tensor of the count (without one, or without an L2 figure, every byte): its
+    first touches, up to its size, and of its re-reads the fewer that either of two ways of hitting L2 leaves:
+      resident: re-reads miss in the fraction of the re-read tensors' total size that L2 cannot hold;
+      lockstep: a read that the CTA launched `gap` places before made too (TensorTraffic.shared) hits when that
+                CTA is still running: gap < SMs x `resident_ctas` per SM (CTAs start in launch order, so the
+                grid's CTAs that stream the same tiles (GEMM panels, the heads of one token) run together)."""
+    if not device.l2_bytes or not traffic.tensors:
         return traffic.bytes
-    tensors = list(traffic.tensors) or [(traffic.bytes, traffic.footprint)]
-    unattributed = traffic.bytes - sum(requested for requested, _ in tensors)
-    re_read = [(requested, size) for requested, size in tensors if requested > size]
-    missed = max(0.0, 1.0 - device.l2_bytes / sum(size for _, size in re_read)) if re_read else 0.0
-    return (max(unattributed, 0.0) + sum(min(requested, size) for requested, size in tensors)
-            + sum(requested - size for requested, size in re_read) * missed)
+    unattributed = traffic.bytes - sum(t.requested for t in traffic.tensors)
+    re_read = [t for t in traffic.tensors if t.requested > t.stored]
+    missed = max(0.0, 1.0 - device.l2_bytes / sum(t.stored for t in re_read)) if re_read else 0.0
+    running = device.sms * resident_ctas
+    total = max(unattributed, 0.0)
+    for t in traffic.tensors:
+        first = min(t.requested, t.stored)
+        resident = first + max(t.requested - t.stored, 0.0) * missed
+        lockstep = t.requested - sum(nbytes for gap, nbytes in t.shared if gap < running)
+        total += max(first, min(resident, lockstep))
+    return total
 
 
 def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: Device) -> tuple[float, str]:
@@ -290,7 +310,8 @@ def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device:
         flops = cost.flops if i == charged else 0.0
         terms, issue, pipe_name = {}, None, ""
         if traffic.ctas:
-            terms = {"HBM": hbm_bytes(traffic, device) / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY) / fill,
+            terms = {"HBM": hbm_bytes(traffic, device, fit.ctas_per_sm) / (device.hbm_bytes_per_s * MEMORY_EFFICIENCY)
+                     / fill,
                      "L2": traffic.bytes / device.l2_bytes_per_s / fill,
                      "tensor": flops / (device.peak_flops[arithmetic] * MATH_EFFICIENCY) / fill}
             if report.issue is not None:

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from flashkern.kernels import sass
 
@@ -221,6 +221,16 @@ def assemble(ptx: str, command: list[str], sources: dict | None = None) -> Build
                                                      issue=sass.profile(ptx, command, sources) if _PROFILING_ISSUE.get() else None)
 
 
+class TensorTraffic(NamedTuple):
+    """One tensor's share of a launch's traffic (one distinct storage)."""
+
+    requested: float  # bytes the launch's CTAs request of it, loads and stores, every re-read counted
+    stored: float  # bytes of its storage
+    # (gap, bytes): bytes a CTA reads that the CTA launched `gap` places before it read too, in launch order
+    # (blockIdx.x fastest): what a grid streaming shared data in lockstep can find in L2 (flashkern.model)
+    shared: tuple = ()
+
+
 @dataclass(frozen=True)
 class LaunchTraffic:
     """Global-memory traffic of one kernel launch as its design requests it (a model input, not a measurement).
@@ -236,14 +246,18 @@ class LaunchTraffic:
     sampled: int  # CTAs actually counted; the totals are scaled from them when fewer than ctas
     exact: bool = True  # False: an upper bound (conditions the count could not evaluate were taken as true)
     # What the model reads beside the counts (not part of a count's equality):
-    footprint: float = dataclasses.field(default=0.0, compare=False)  # bytes of every tensor the launch can touch
     lines: tuple = dataclasses.field(default=(), compare=False)  # ((file, line), runs per CTA) where the count ran
     sizes: tuple = dataclasses.field(default=(), compare=False)  # (name, value): scalar parameters and sizes
-    tensors: tuple = dataclasses.field(default=(), compare=False)  # (bytes requested, bytes stored) per tensor
+    tensors: tuple[TensorTraffic, ...] = dataclasses.field(default=(), compare=False)  # per distinct storage
 
     @property
     def bytes(self) -> float:
         return self.bytes_read + self.bytes_written
+
+    @property
+    def footprint(self) -> float:
+        """Bytes of every tensor the launch can touch."""
+        return sum(tensor.stored for tensor in self.tensors)
 
 
 NO_TRAFFIC = LaunchTraffic(ctas=0, bytes_read=0, bytes_written=0, sampled=0)  # a stage with nothing to launch

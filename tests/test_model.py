@@ -20,7 +20,7 @@ from flashkern.autotune import identity
 from flashkern.cli import main
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton import traffic as triton_traffic
-from flashkern.kernels.build import BuildReport, Census, LaunchTraffic
+from flashkern.kernels.build import BuildReport, Census, LaunchTraffic, TensorTraffic
 from flashkern.registry import Cost
 
 H200 = model.DEVICES["h200"]
@@ -82,7 +82,7 @@ def test_a_kernel_that_reads_its_input_twice_moves_twice_the_input():
     once = model.predict(Cost(flops=n, bytes=8 * n), [(report, traffic)], H200)  # x read once, y written once
     assert traffic.bytes_read == 2 * 4 * n and traffic.bytes_written == 4 * n
     assert once.traffic_ratio == pytest.approx(1.5)  # (2 reads + 1 write) / (1 + 1)
-    assert traffic.tensors == ((8 * n, 4 * n), (4 * n, 4 * n)) or traffic.tensors == ((4 * n, 4 * n), (8 * n, 4 * n))
+    assert sorted(traffic.tensors) == [TensorTraffic(4 * n, 4 * n), TensorTraffic(8 * n, 4 * n)]
     assert model.hbm_bytes(traffic, H200) == 8 * n  # x's second read hits L2
     reads_only = model.predict(Cost(flops=n, bytes=4 * n), [(report, LaunchTraffic(8, 8 * n, 0, 8))], H200)
     assert reads_only.traffic_ratio == pytest.approx(2.0)
@@ -110,21 +110,44 @@ def test_time_and_roof():
 
 
 def test_re_reads_inside_l2_are_charged_at_l2_bandwidth():
-    """A 4 MB footprint read 8 times: first touches from HBM, the re-reads from L2 (the L2 term then binds); a
-    footprint twice L2's size misses on half of its re-reads."""
+    """A 4 MB tensor read 8 times: first touches from HBM, the re-reads from L2 (the L2 term then binds); a
+    tensor twice L2's size misses on half of its re-reads."""
     report = BuildReport(registers=32, threads=256)
     small = 4 * 2**20
-    hot = model.predict(Cost(flops=0, bytes=small), [(report, LaunchTraffic(132, 8 * small, 0, 132, footprint=small))],
+    hot = model.predict(Cost(flops=0, bytes=small),
+                        [(report, LaunchTraffic(132, 8 * small, 0, 132, tensors=(TensorTraffic(8 * small, small),)))],
                         H200)
     assert model.hbm_bytes(hot.stages[0].traffic, H200) == small
     assert hot.bound == "L2" and hot.kernel_seconds == pytest.approx(8 * small / H200.l2_bytes_per_s)
     big = 2 * H200.l2_bytes
-    cold = LaunchTraffic(132, 3 * big, 0, 132, footprint=big)
+    cold = LaunchTraffic(132, 3 * big, 0, 132, tensors=(TensorTraffic(3 * big, big),))
     assert model.hbm_bytes(cold, H200) == pytest.approx(big + 2 * big / 2)
-    assert model.hbm_bytes(LaunchTraffic(132, 3 * big, 0, 132), H200) == 3 * big  # no footprint: no L2 credit
+    assert model.hbm_bytes(LaunchTraffic(132, 3 * big, 0, 132), H200) == 3 * big  # no per-tensor count: no credit
     # per tensor: a small re-read table beside a large tensor streamed once hits L2 whatever the large one's size
-    mixed = LaunchTraffic(132, 8 * small + big, 0, 132, footprint=small + big, tensors=((8 * small, small), (big, big)))
+    mixed = LaunchTraffic(132, 8 * small + big, 0, 132,
+                          tensors=(TensorTraffic(8 * small, small), TensorTraffic(big, big)))
     assert model.hbm_bytes(mixed, H200) == small + big
+
+
+@pytest.mark.parametrize("resident", [1, 4])
+def test_tiles_that_running_ctas_share_come_from_hbm_once(resident):
+    """A tensor twice L2's size read 8 times, each re-read made by the CTA launched `gap` places before: while that
+    CTA still runs (gap < 132 SMs x resident CTAs) the re-read hits L2 (GEMM panels, the heads of one token);
+    further apart it is the resident rule's (half the re-reads miss here)."""
+    big = 2 * H200.l2_bytes
+    for gap, hits in [(1, True), (132 * resident - 1, True), (132 * resident, False), (10_000, False)]:
+        traffic = LaunchTraffic(132, 8 * big, 0, 132, tensors=(TensorTraffic(8 * big, big, ((gap, 7 * big),)),))
+        expected = big if hits else big + 7 * big / 2
+        assert model.hbm_bytes(traffic, H200, resident) == pytest.approx(expected), gap
+    shared_once = LaunchTraffic(132, 8 * big, 0, 132, tensors=(TensorTraffic(8 * big, big, ((1, 3 * big),)),))
+    # the fewer of the two: resident 1 + 7/2, lockstep 8 - 3
+    assert model.hbm_bytes(shared_once, H200, resident) == pytest.approx(4.5 * big)
+    report = BuildReport(registers=32, threads=1024 // resident)
+    fit = model.occupancy(report.threads, report.registers, report.smem, H200).ctas_per_sm
+    assert fit == 2 * resident  # the model passes the occupancy it computes, so a 2x wider grid window hits too
+    wide = LaunchTraffic(132, 8 * big, 0, 132, tensors=(TensorTraffic(8 * big, big, ((132 * fit - 1, 7 * big),)),))
+    assert model.predict(Cost(flops=0, bytes=big), [(report, wide)], H200).stages[0].terms["HBM"] == pytest.approx(
+        big / (H200.hbm_bytes_per_s * model.MEMORY_EFFICIENCY))
 
 
 DOT_BUILD = textwrap.dedent("""

@@ -12,7 +12,7 @@ import torch
 from flashkern import registry
 from flashkern.kernels._tilelang import GPU, traffic
 from flashkern.kernels._tilelang.traffic import lower_for_traffic, measure
-from flashkern.kernels.build import LaunchTraffic
+from flashkern.kernels.build import LaunchTraffic, TensorTraffic
 
 TILE = 128  # elements per CTA in the 1-D kernels, one per thread
 F32 = 4  # bytes
@@ -43,7 +43,36 @@ def test_tiled_copy_moves_each_element_once(n):
     counted = measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)])
     assert counted == _traffic(8, n * F32, n * F32)
     assert counted.footprint == 2 * n * F32 and counted.sizes == (("N", n), ("blockIdx.x", 8))
-    assert sorted(counted.tensors) == [(n * F32, n * F32)] * 2  # each tensor moved once: no re-read
+    assert sorted(counted.tensors) == [TensorTraffic(n * F32, n * F32)] * 2  # each tensor moved once: no re-read
+
+
+def test_ctas_that_read_the_same_tile_record_their_launch_gap():
+    """Grid (heads, tiles), heads fastest: the heads of one tile read its X block and its indices together (every CTA
+    but a tile's first finds them read 1 launch before), the same head of the next tile reads W's row again (a gap
+    of `heads`), and a gathered read shares nothing (its address is data)."""
+    N, heads = T.dynamic("N"), 4
+
+    @T.prim_func
+    def shared_tiles(X: T.Tensor((N,), "float32"), W: T.Tensor((heads, TILE), "float32"),
+                     Idx: T.Tensor((N,), "int32"), Y: T.Tensor((heads, N), "float32")):
+        with T.Kernel(heads, T.ceildiv(N, TILE), threads=TILE) as (head, tile):
+            x_shared = T.alloc_shared((TILE,), "float32")
+            w_shared = T.alloc_shared((TILE,), "float32")
+            y = T.alloc_fragment((TILE,), "float32")
+            T.copy(X[tile * TILE], x_shared)
+            T.copy(W[head, 0], w_shared)
+            for i in T.Parallel(TILE):
+                y[i] = x_shared[i] * w_shared[i] + X[Idx[tile * TILE + i]]
+            T.copy(y, Y[head, tile * TILE])
+
+    tiles = 8
+    n, ctas, block = tiles * TILE, heads * tiles, TILE * F32
+    args = [torch.zeros(n), torch.zeros(heads, TILE), torch.zeros(n, dtype=torch.int32), torch.zeros(heads, n)]
+    x, w, idx, y = measure(shared_tiles, args).tensors
+    assert x == TensorTraffic(2 * ctas * block, n * F32, ((1, 0.75 * ctas * block),))  # the block, not the gather
+    assert w == TensorTraffic(ctas * block, heads * block, ((heads, (tiles - 1) / tiles * ctas * block),))
+    assert idx == TensorTraffic(ctas * block, n * F32, ((1, 0.75 * ctas * block),))
+    assert y == TensorTraffic(ctas * block, heads * n * F32)  # stores share nothing
 
 
 
@@ -89,7 +118,7 @@ def test_reading_the_input_twice_counts_twice():
     counted = measure(doubled, [torch.zeros(n), torch.zeros(n)])
     assert counted == _traffic(4, 2 * n * F32, n * F32)
     # by tensor (the model's L2 sees A's re-reads only): A requested twice its size, B once
-    assert counted.tensors == ((2 * n * F32, n * F32), (n * F32, n * F32))
+    assert counted.tensors == (TensorTraffic(2 * n * F32, n * F32), TensorTraffic(n * F32, n * F32))
 
 
 def test_one_element_twice_in_one_expression_is_one_read():

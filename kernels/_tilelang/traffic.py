@@ -30,9 +30,12 @@ Where the count is an upper bound (exact=False):
 Counts are per element a CTA requests, as in Triton's count (kernels/_triton/traffic): a thread binding that
 neither the address nor a guard involves does not multiply it, so a value every thread of a CTA loads (a scalar
 read outside T.Parallel, a broadcast element) counts once per CTA; no rounding to sectors, no coalescing, no L2
-(the model's business). Copies of one load within a statement under the same guards count once, as the compiled
-code loads once (a T.macro expanding its argument twice). A parameter's data pointer used any other way (a TMA
-descriptor the count cannot read, address_of) raises NotImplementedError rather than go uncounted. Every CTA is counted: sampled = ctas.
+(the model's business). Beside the bytes, each read records which earlier CTAs (by launch gap) made the
+same request (`_Counter.reread_gaps`): the model's L2 credit for CTAs that stream shared data together.
+Copies of one load within a statement under the same guards count once, as the compiled code loads once (a
+T.macro expanding its argument twice). A parameter's data pointer used any other way (a TMA descriptor the
+count cannot read, address_of) raises NotImplementedError rather than go uncounted. Every CTA is counted:
+sampled = ctas.
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ from tvm.tirx import expr as E
 from tvm.tirx import stmt as S
 
 from flashkern.kernels._tilelang import _sm90_target
-from flashkern.kernels.build import LaunchTraffic
+from flashkern.kernels.build import LaunchTraffic, TensorTraffic
 
 # Copies stay element loops (TMA off: its boxes move the same elements; warp specialization would reintroduce TMA).
 ANALYSIS_PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
 MAX_ENUMERATED = 1 << 24  # most grid points one group of guards is evaluated over; beyond, it is taken as true
+MAX_GAPS = 64  # distinct launch gaps kept per access (beyond, rounded up to quarter powers of two)
 _CHUNK = 1 << 20  # grid points evaluated at once
 _UNBOUNDED = 1 << 30  # a bound this wide comes from a data type, not from the sizes: the value is unbounded
 _LOWERED: dict = {}  # (program text, pass configs) -> lowered program; sizes are dynamic, so one serves every call
@@ -80,29 +84,26 @@ def measure(prim_func, args: list, pass_configs: dict | None = None) -> LaunchTr
     counter = _Counter([func.buffer_map[p] for p in func.params if p in func.buffer_map], _assigned_once(body))
     counter.stmt(body)
     return LaunchTraffic(ctas=counter.ctas, bytes_read=counter.bytes_read, bytes_written=counter.bytes_written,
-                         sampled=counter.ctas, exact=counter.exact, footprint=_footprint(args),
-                         tensors=_per_tensor(func, args, counter.per_buffer),
+                         sampled=counter.ctas, exact=counter.exact,
+                         tensors=_per_tensor(func, args, counter.per_buffer, counter.shared),
                          sizes=tuple(sorted([(var.name, int(value.value)) for var, value in sizes.items()]
                                             + list(counter.grid.items()))))
 
 
-def _per_tensor(func, args: list, per_buffer: dict) -> tuple:
-    """(bytes requested, bytes stored) per distinct storage behind the tensor arguments."""
+def _per_tensor(func, args: list, per_buffer: dict, shared: dict) -> tuple[TensorTraffic, ...]:
+    """Bytes requested, bytes stored and the reads earlier CTAs made too, per distinct storage behind the tensor
+    arguments."""
     found: dict = {}
     for param, arg in zip(func.params, args):
         buffer = func.buffer_map.get(param)
         if buffer is not None and hasattr(arg, "untyped_storage"):
             storage = arg.untyped_storage()
-            requested, size = found.get(storage.data_ptr(), (0.0, storage.nbytes()))
-            found[storage.data_ptr()] = (requested + per_buffer.get(buffer.data, 0.0), size)
-    return tuple((requested, float(size)) for requested, size in found.values())
-
-
-def _footprint(args: list) -> float:
-    """Bytes of the distinct storages behind the tensor arguments: all the launch can touch."""
-    storages = {arg.untyped_storage().data_ptr(): arg.untyped_storage().nbytes() for arg in args
-                if hasattr(arg, "untyped_storage")}
-    return float(sum(storages.values()))
+            requested, size, gaps = found.get(storage.data_ptr(), (0.0, storage.nbytes(), {}))
+            for gap, nbytes in shared.get(buffer.data, {}).items():
+                gaps[gap] = gaps.get(gap, 0.0) + nbytes
+            found[storage.data_ptr()] = (requested + per_buffer.get(buffer.data, 0.0), size, gaps)
+    return tuple(TensorTraffic(requested, float(size), tuple(sorted(gaps.items())))
+                 for requested, size, gaps in found.values())
 
 
 def _size_bindings(func: tirx.PrimFunc, args: list) -> dict:
@@ -195,6 +196,9 @@ class _Counter:
         self.counts: dict = {}  # a group of guards -> (the group, points satisfying it): kept alive, keyed by id
         self.ctas = 1
         self.grid: dict = {}  # "blockIdx.x" ... -> extent
+        self.blocks: dict = {}  # "blockIdx.x" ... -> its variable
+        self.shared: dict = {}  # a parameter buffer's data pointer -> {launch gap: bytes an earlier CTA read too}
+        self.gaps: dict = {}  # an access's origin (structural hashes) -> reread_gaps of it
         self.bytes_read = 0.0
         self.bytes_written = 0.0
         self.per_buffer: dict = {}  # a parameter buffer's data pointer -> bytes requested of it
@@ -248,6 +252,7 @@ class _Counter:
         if tag.startswith("blockIdx."):
             self.ctas *= extent
             self.grid[tag] = extent
+            self.blocks[tag] = node.node.var
         elif tag.startswith("threadIdx."):
             self.threads.add(node.node.var)
         with self.dimension(node.node.var, 0, extent):
@@ -282,7 +287,7 @@ class _Counter:
         """Count the global accesses evaluating `node` makes."""
         if isinstance(node, E.BufferLoad):
             if node.buffer.data in self.globals and self.first_load(node):
-                self.moved(node.buffer.data, self.executions(node.indices) * _bytes(node.dtype), 0)
+                self.moved(node.buffer.data, self.executions(node.indices) * _bytes(node.dtype), 0, node.indices)
             for index in node.indices:
                 self.expr(index)
         elif isinstance(node, E.Call):
@@ -351,7 +356,7 @@ class _Counter:
             return
         moved = self.executions([offset]) * self.constant(extent, f"a pointer extent into {self.globals[data].name}") \
             * _bytes(annotation.dtype)
-        self.moved(data, moved if mask.value & 1 else 0, moved if mask.value & 2 else 0)
+        self.moved(data, moved if mask.value & 1 else 0, moved if mask.value & 2 else 0, [offset])
 
     def tma(self, node: E.Call, load: bool):
         """tma_load(descriptor, barrier, shared pointer, coordinates...) / tma_store(descriptor, shared pointer,
@@ -368,12 +373,57 @@ class _Counter:
         if data not in self.globals:
             return
         moved = self.executions(coordinates) * math.prod(box) * _bytes(self.globals[data].dtype)
-        self.moved(data, moved if load else 0, 0 if load else moved)
+        self.moved(data, moved if load else 0, 0 if load else moved, coordinates)
 
-    def moved(self, data, read: float, written: float):
+    def moved(self, data, read: float, written: float, address=None):
+        """Count `read` and `written` bytes of the buffer behind `data`; a read at `address` (its index
+        expressions) also counts what earlier CTAs read of it (`reread_gaps`)."""
         self.bytes_read += read
         self.bytes_written += written
         self.per_buffer[data] = self.per_buffer.get(data, 0.0) + read + written
+        if read and address is not None:
+            shared = self.shared.setdefault(data, {})
+            for gap, fraction in self.reread_gaps(address).items():
+                shared[gap] = shared.get(gap, 0.0) + read * fraction
+
+    def reread_gaps(self, address) -> dict:
+        """gap -> the fraction of the CTAs whose request at `address` the CTA launched `gap` places before them
+        made too (launch order: blockIdx.x fastest, then y, then z). Two CTAs request the same elements where their
+        block indices give the same origin: the address with every loop and thread variable at the start of its
+        range; guards are not consulted (the CTAs that skip an access are few where the grid's tail skips it).
+        Addresses that read data (gathers), and grids over MAX_ENUMERATED CTAs, share nothing."""
+        origin = [_first_lane(self.analyzer.simplify(self.resolve(index))) for index in address]
+        if any(e is None for e in origin):
+            return {}
+        key = tuple(tvm.ir.structural_hash(e) for e in origin)
+        if key not in self.gaps:
+            self.gaps[key] = self._gaps_of(origin)
+        return self.gaps[key]
+
+    def _gaps_of(self, origin: list) -> dict:
+        axes = [tag for tag in ("blockIdx.x", "blockIdx.y", "blockIdx.z") if tag in self.blocks]
+        ctas = math.prod(self.grid[tag] for tag in axes)
+        if ctas < 2 or ctas > MAX_ENUMERATED:
+            return {}
+        launch, stride, grid = np.arange(ctas, dtype=np.int64), 1, {}
+        for tag in axes:
+            grid[self.blocks[tag]] = launch // stride % self.grid[tag]
+            stride *= self.grid[tag]
+        columns = []
+        for expr in origin:
+            variables = _evaluable_variables(expr)
+            if variables is None or any(v not in grid and v not in self.dims for v in variables):
+                return {}
+            starts = {v: self.dims[v].lo for v in variables if v not in grid}
+            columns.append(np.broadcast_to(np.asarray(_evaluate(expr, grid | starts), dtype=np.int64), (ctas,)))
+        groups = (np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)[1].reshape(-1) if columns
+                  else np.zeros(ctas, dtype=np.int64))
+        order = np.argsort(groups, kind="stable")  # each group's CTAs in launch order
+        gaps = np.diff(order)[groups[order][1:] == groups[order][:-1]]
+        if len(np.unique(gaps)) > MAX_GAPS:  # keep the record small: round gaps up to quarter powers of two
+            gaps = np.ceil(2.0 ** (np.ceil(np.log2(gaps) * 4) / 4)).astype(np.int64)
+        values, counts = np.unique(gaps, return_counts=True)
+        return {int(gap): count / ctas for gap, count in zip(values, counts)}
 
     # ------------------------------------------------------------------ scopes and evaluation
 
@@ -476,6 +526,18 @@ class _Counter:
                 held &= np.broadcast_to(_evaluate(guard.condition, grid), held.shape).astype(bool)
             satisfied += int(np.count_nonzero(held))
         return satisfied
+
+
+def _first_lane(expr):
+    """`expr` (an index, perhaps a vector: Ramp, Broadcast) at its first lane; None where that is not expressible."""
+
+    def first(node):
+        return node.base if isinstance(node, E.Ramp) else node.value if isinstance(node, E.Broadcast) else None
+
+    try:
+        return tirx.stmt_functor.ir_transform(tirx.Evaluate(expr), None, first, ["tirx.Ramp", "tirx.Broadcast"]).value
+    except tvm.TVMError:
+        return None
 
 
 def _conjuncts(condition) -> list:

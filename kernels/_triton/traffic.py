@@ -49,7 +49,7 @@ import triton
 
 import flashkern
 from flashkern.kernels._triton import Launch
-from flashkern.kernels.build import LaunchTraffic
+from flashkern.kernels.build import LaunchTraffic, TensorTraffic
 
 
 class _Access(NamedTuple):
@@ -122,8 +122,8 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
     scale = ctas / len(program_ids)
     return LaunchTraffic(
         ctas=ctas, bytes_read=totals.read * scale, bytes_written=totals.written * scale, sampled=len(program_ids),
-        footprint=float(sum(size for _, size in storages)),
-        tensors=tuple((requested * scale, float(size)) for requested, (_, size) in zip(totals.per_storage, storages)),
+        tensors=tuple(TensorTraffic(requested * scale, float(size))
+                      for requested, (_, size) in zip(totals.per_storage, storages)),
         lines=tuple(sorted((where, count / len(traced)) for where, count in lines.counts.items())),
     )
 
