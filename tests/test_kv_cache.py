@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from _budget import fraction_of_examples
 from _calls import fresh
 from _device import DEVICE, on_device
+import flashkern
 from flashkern import checks, registry
 from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
 from flashkern.kernels.kv_cache.problem import paged
@@ -315,3 +316,131 @@ def test_checked_mode_names_out_of_range_attention_indices():
     inputs["indices"][1, 2] = slots
     with checks.checked(True), pytest.raises(ValueError, match=rf"^indices\[1, 2\] = {slots} is out of range"):
         ATTENTION.entry(**inputs)
+
+
+# ---------------------------------------------------------------- FlashMLA's V4.1 sparse-decode recipe, restated
+# Their generator (tests/lib.py, generate_testcase_for_decode): q ~ randn clamped to [-1, 1]; keys ~ randn / 10 clamped
+# to [-1, 1] through the caches (an FP8 main cache, an optional FP4 extra one: our window cache); scale 512^-0.55;
+# sinks ~ randn, +inf where a second draw is > 0.5 and -inf where it is < -0.5; odd page sizes; all-invalid index rows;
+# index rows cut short by a top-k length. Their comparator (tests/kernelkit, restated in our code below): every
+# element within abs or rel of the reference, inf / -inf / NaN at the same places, and the cosine difference
+# 1 - 2 sum(xy) / sum(x^2 + y^2) small.
+
+
+def flashmla_mismatch(name, actual, expected, abs_tol, rel_tol, cos_diff_tol=None) -> str | None:
+    """Why `actual` fails FlashMLA's comparison with `expected`, or None."""
+    actual, expected = actual.float().clone(), expected.float().clone()
+    for special in (math.inf, -math.inf, math.nan):
+        at_actual = actual.isnan() if math.isnan(special) else actual == special
+        at_expected = expected.isnan() if math.isnan(special) else expected == special
+        if not torch.equal(at_actual, at_expected):
+            return f"{name}: {special} at {int(at_actual.sum())} places, the reference {int(at_expected.sum())}"
+        actual[at_actual], expected[at_expected] = 0.0, 0.0
+    error = (actual - expected).abs()
+    relative = error / (expected.abs() + 1e-6)
+    bad = (error >= abs_tol) & (relative >= rel_tol)
+    if bad.any():
+        worst = int(error.masked_fill(~bad, 0).argmax())
+        return (f"{name}: {int(bad.sum())} of {bad.numel()} elements off, worst {actual.flatten()[worst]} vs "
+                f"{expected.flatten()[worst]}")
+    x, y = actual.double(), expected.double()
+    denominator = float((x * x + y * y).sum())
+    cos_diff = 0.0 if denominator == 0 else 1 - 2 * float((x * y).sum()) / denominator
+    if cos_diff_tol is not None and abs(cos_diff) > cos_diff_tol:
+        return f"{name}: cosine difference {cos_diff:.3g} > {cos_diff_tol}"
+    return None
+
+
+def flashmla_recipe_cases():
+    """(tokens, heads, topk, window, page, window page, sink, all-invalid rows, top-k length): their page sizes and
+    top-k lengths, at sizes the interpreter runs in seconds."""
+    return [(3, 64, 64, 0, 5, 0, False, False, False), (4, 64, 64, 64, 69, 5, True, False, True),
+            (2, 128, 64, 0, 2, 0, True, False, False), (3, 64, 576, 64, 61, 123, True, True, False),
+            (1, 64, 64, 64, 1, 1, True, False, True), (5, 16, 40, 8, 64, 7, True, False, False),
+            (3, 64, 64, 64, 61, 53, True, True, True), (2, 128, 576, 0, 53, 0, True, True, False),
+            (3, 32, 72, 40, 3, 53, False, True, True), (4, 64, 16, 16, 17, 2, True, True, False),
+            (2, 64, 128, 0, 64, 0, True, False, True), (1, 128, 8, 8, 9, 9, True, True, False)]
+
+
+def flashmla_recipe_inputs(tokens, heads, topk, window, page, window_page, sink, all_invalid, topk_length, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def cache(rows, fmt, block_size):
+        latent = (torch.randn(rows, ref.LATENT, generator=gen) / 10).clamp(-1, 1).bfloat16()
+        return paged(ref.quantize_kv(latent, fmt), block_size, fill=0xFF)  # slots past the rows decode to NaN
+
+    def index_rows(count, rows):
+        chosen = torch.stack([torch.randperm(rows, generator=gen)[:count] for _ in range(tokens)]).int()
+        if topk_length:  # entries past each row's length are padding
+            chosen[torch.arange(count)[None, :] >= torch.randint(0, count + 1, (tokens, 1), generator=gen)] = -1
+        if all_invalid:
+            chosen[0] = -1
+        return chosen
+
+    slots = 2 * topk + 11
+    inputs = dict(q=torch.randn(tokens, heads, ref.LATENT, generator=gen).clamp(-1, 1).bfloat16(),
+                  kv_cache=cache(slots, "mxfp8", page), indices=index_rows(topk, slots), swa_cache=None,
+                  swa_indices=None, sink=None, scale=ref.LATENT**-0.55, kv_format="mxfp8", swa_format="fp4")
+    if window:
+        inputs |= dict(swa_cache=cache(window + 5, "fp4", window_page), swa_indices=index_rows(window, window + 5))
+    if sink:
+        logits, draw = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+        inputs["sink"] = logits.masked_fill(draw > 0.5, math.inf).masked_fill(draw < -0.5, -math.inf)
+    return on_device(inputs)
+
+
+def gpu_default(backend: str, inputs: dict) -> dict:
+    """The config the GPU would run `inputs` with (split keys and a combine where the CPU default has one split)."""
+    with flashkern.planning_for_gpu():
+        return ATTENTION.implementation(backend).default_config(ATTENTION.check(dict(inputs)))
+
+
+@pytest.mark.parametrize("config", ["default", "gpu default"])
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", range(len(flashmla_recipe_cases())))
+def test_flashmla_sparse_decode_recipe(case, backend, config):
+    """FlashMLA's V4.1 sparse-decode test (tests/test-sparse-decode.py), restated: out within 1e-3 abs or 2.01/128
+    rel with a cosine difference under 5e-6, lse within 1e-6 abs or 8.01/65536 rel, specials identical; in this
+    device's default config and in the GPU's."""
+    inputs = flashmla_recipe_inputs(*flashmla_recipe_cases()[case], seed=case)
+    expected = ATTENTION.reference(**fresh(ATTENTION, inputs))
+    chosen = gpu_default(backend, inputs) if config == "gpu default" else None
+    actual = ATTENTION.result_of(fresh(ATTENTION, inputs), backend=backend, config=chosen)
+    failures = [flashmla_mismatch("out", actual.out, expected.out, 1e-3, 2.01 / 128, 5e-6),
+                flashmla_mismatch("lse", actual.lse, expected.lse, 1e-6, 8.01 / 65536)]
+    assert not any(failures), failures
+
+
+def test_the_flashmla_comparison_can_fail():
+    x = torch.linspace(-2, 2, 1000)
+    assert flashmla_mismatch("x", x, x, 1e-3, 0.01, 5e-6) is None
+    assert "1 of 1000" in flashmla_mismatch("x", x + torch.eye(1, 1000)[0] * 0.1, x, 1e-3, 0.01)
+    assert "inf at 3 places" in flashmla_mismatch("x", torch.where(x > 1.99, math.inf, x), x, 1e-3, 0.01)
+    assert "nan at 0 places" in flashmla_mismatch("x", x, torch.where(x > 1.99, math.nan, x), 1e-3, 0.01)
+    assert "-inf at 0 places" in flashmla_mismatch("x", x, torch.where(x < -1.99, -math.inf, x), 1e-3, 0.01)
+    assert "cosine" in flashmla_mismatch("x", x * (1 + 0.005 * torch.sign(x)), x, 1e-3, 0.01, 5e-6)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_softmax_weights_are_rounded_to_the_nearest_bf16(backend):
+    """One-hot keys (key j is 1 at column j, which mxfp8 stores exactly) make out[h, j] = bf16(bf16(p_j) / d): the
+    weight rounded to the nearest bf16 (ties to even) before the PV product, d the sum of the unrounded weights
+    (docs/operators.md section 8). Truncating the weights instead changes about a quarter of the outputs; 1% may
+    differ (a GPU's exp is not torch's in the last bits)."""
+    heads, keys = 64, 16
+    latent = torch.zeros(keys, ref.LATENT)
+    latent[torch.arange(keys), torch.arange(keys)] = 1.0
+    q = torch.zeros(1, heads, ref.LATENT)
+    q[0, :, :keys] = torch.rand(heads, keys, generator=torch.Generator().manual_seed(0)) * 6 - 3
+    q = q.bfloat16()
+    inputs = dict(q=q, kv_cache=paged(ref.quantize_kv(latent.bfloat16(), "mxfp8"), 16),
+                  indices=torch.arange(keys, dtype=torch.int32)[None], swa_cache=None, swa_indices=None, sink=None,
+                  scale=1.0, kv_format="mxfp8", swa_format="mxfp8")
+    s = q[0, :, :keys].float()
+    p = torch.exp(s - s.max(dim=1, keepdim=True).values)
+    d = p.sum(dim=1, keepdim=True)
+    nearest = (p.bfloat16().float() / d).bfloat16()
+    truncated = ((p.view(torch.int32) & -65536).view(torch.float32) / d).bfloat16()
+    assert (truncated != nearest).float().mean() > 0.2  # the two roundings are told apart
+    out = ATTENTION.entry(**on_device(inputs), backend=backend).out[0, :, :keys].cpu()
+    assert (out != nearest).float().mean() < 0.01

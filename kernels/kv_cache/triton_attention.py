@@ -89,8 +89,9 @@ def _attend_block(q, m, l, acc, cache_ptr, page_stride, block_size, cache_slots,
 
 @triton.jit
 def _weight(m, m_all):
-    """exp(m - m_all), 0 for m = -inf (also when m_all = -inf)."""
-    return tl.where(m == NEG_INF, 0.0, tl.exp(m - m_all))
+    """exp(m - m_all): 0 for m = -inf (also when m_all = -inf), 1 for m = m_all (also +inf: a +inf sink takes all
+    the weight, so out is 0 and lse +inf, as the reference)."""
+    return tl.where(m == NEG_INF, 0.0, tl.where(m == m_all, 1.0, tl.exp(m - m_all)))
 
 
 @triton.jit
