@@ -7,7 +7,8 @@ Formats (sign | exponent | mantissa, bias):
     e2m1    1 | 2 | 1   bias 1     a 4-bit code (bit 3 the sign); magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf/NaN
     ue8m0   8-bit exponent e       2^(e - 127) (e = 0: the fp32 subnormal 2^-127); 0xFF is NaN
 
-Everything is integer bit math on int32 views of fp32 (plus exact int -> fp32 conversions), so the interpreter
+Everything is integer bit math on int32 views of fp32 (plus exact int -> fp32 conversions and exact power-of-two
+multiplies, which keep subnormals in numpy and in the GPU's mul.f32: Triton emits no .ftz), so the interpreter
 and sm_90a give the same bits: `.to(tl.float8e4nv)` would round and saturate differently on each, and fp32
 adds of subnormals would depend on flush-to-zero. Codes are returned as int32 (callers narrow them to uint8);
 decoders accept any integer type holding the code in its low bits.
@@ -29,6 +30,8 @@ E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # bits of 448.0
 E2M1_MAX_BITS = tl.constexpr(0x40C00000)  # bits of 6.0
 UE8M0_NAN = tl.constexpr(0xFF)
 UE8M0_MAX = tl.constexpr(254)  # the largest finite ue8m0 byte (2^127)
+E4M3_REBIAS = tl.constexpr(2.0**120)  # 2^(127 - 7): fp32's exponent bias over e4m3's
+E2M1_REBIAS = tl.constexpr(2.0**126)  # 2^(127 - 1)
 
 
 @triton.jit
@@ -81,22 +84,21 @@ def e2m1_encode(x):
 
 @triton.jit
 def e4m3_decode(code):
-    """e4m3fn code -> fp32 (exact); 0x7F / 0xFF decode to NaN."""
+    """e4m3fn code -> fp32 (exact); 0x7F / 0xFF decode to NaN. The code's exponent and mantissa placed 20 bits up in
+    an fp32 (2^(e - 127) x 1.m, or for e = 0 the fp32 subnormal 0.m x 2^-126), times 2^120: the e4m3 value, normal
+    or subnormal (no flush to zero: the GPU's mul.f32 keeps subnormals, as numpy does)."""
     c = code.to(tl.int32)
-    magnitude = c & 0x7F
-    subnormal = (magnitude.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9, exact
-    value = tl.where(magnitude < 8, subnormal, (magnitude << 20) + ((127 - 7) << 23))
-    value = tl.where(magnitude == 0x7F, F32_NAN, value)
-    return (value | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    sign = (c & 0x80) << 24
+    value = (sign | ((c & 0x7F) << 20)).to(tl.float32, bitcast=True) * E4M3_REBIAS
+    return tl.where((c & 0x7F) == 0x7F, (sign | F32_NAN).to(tl.float32, bitcast=True), value)
 
 
 @triton.jit
 def e2m1_decode(code):
-    """e2m1 code (low 4 bits) -> fp32 (exact)."""
+    """e2m1 code (low 4 bits) -> fp32 (exact): the code's exponent and mantissa placed 22 bits up in an fp32, times
+    2^126 (the magnitudes 0 and 0.5 pass through the fp32 subnormals 0 and 2^-127, which the multiply keeps)."""
     c = code.to(tl.int32)
-    magnitude = c & 7
-    value = tl.where(magnitude < 2, magnitude * 0x3F000000, (magnitude << 22) + ((127 - 1) << 23))  # 0, 0.5 | normal
-    return (value | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    return (((c & 8) << 28) | ((c & 7) << 22)).to(tl.float32, bitcast=True) * E2M1_REBIAS
 
 
 @triton.jit

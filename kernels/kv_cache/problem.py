@@ -98,11 +98,12 @@ class KeySplits:
 
 
 def key_splits(problem: AttentionProblem, block_h: int, block_n: int, max_splits: int) -> KeySplits:
-    """Split the keys until tokens x head groups x splits fills the H200's SMs (at most max_splits splits, at least
-    one key block each): T = 1, H = 64 with 512 + 128 keys in blocks of 64 gives 10 splits; T >= 132 gives 1."""
+    """Split the keys while tokens x head groups x splits stays within one wave of the H200's SMs (at most
+    max_splits splits, at least one key block each; the attention takes one CTA per SM): T = 1, H = 64 with 512 +
+    128 keys in blocks of 64 gives 10 splits, T = 64 with all 64 heads in a CTA 2; T >= 66 gives 1."""
     kv_blocks, swa_blocks = -(-problem.topk // block_n), -(-problem.window // block_n)
     blocks = kv_blocks + swa_blocks
     ctas = max(problem.tokens * -(-problem.heads // block_h), 1)
-    wanted = max(1, min(max_splits, -(-H200_SMS // ctas), blocks))
+    wanted = max(1, min(max_splits, H200_SMS // ctas, blocks))
     per_split = -(-blocks // wanted) if blocks else 1
     return KeySplits(kv_blocks, swa_blocks, -(-blocks // per_split) if blocks else 1, per_split)

@@ -1,40 +1,17 @@
 """Sparse decode attention in Triton (reference/kv_cache.py): MQA over the dequantized latent, keys = values.
 
-    s_j = scale q[t, h] . kv_j over the selected rows j of token t (indices[t] in kv_cache, swa_indices[t] in
-    swa_cache; -1 and out-of-range entries are padding), d = sum_j exp(s_j) + exp(sink[h]),
-    out = bf16(sum_j exp(s_j) kv_j / d), lse = log d; no selected key: out 0, lse = sink[h] (-inf without one).
+    s_j = scale q[t, h] . kv_j over the selected rows j of token t (both caches; -1 and out-of-range are padding),
+    d = sum_j exp(s_j) + exp(sink[h]), out = bf16(sum_j exp(s_j) kv_j / d), lse = log d (no key: out 0, lse sink).
 
-Tile plan (FlashMLA's sparse decode, in Triton): a program owns one token, BLOCK_H heads (tl.dot's M side; heads
-past H are masked rows of zeros) and one split of the token's key blocks (problem.key_splits: ceil(topk /
-BLOCK_N) blocks of `indices` into kv_cache, then ceil(W / BLOCK_N) blocks of `swa_indices` into swa_cache, so
-a block reads one cache in one format); the head groups of a token are neighbouring programs, so they read its
-records from L2 together. The 512 columns are held as 512 / BLOCK_D column blocks (tuples of tiles): q's
-[BLOCK_H, BLOCK_D] blocks, loaded once, and the fp32 accumulator's. Per key block:
-  1. BLOCK_N index entries -> selected (in [0, cache slots)) and each record's int64 address in its page;
-  2. per column block c: the records' codes and scales of those columns are gathered (16-byte aligned spans)
-     and decoded (triton_records.decode_records) into kv_c [BLOCK_N, BLOCK_D] bf16, exact (fp4 values and mxfp8
-     values above 2^-133 are bf16 numbers; unselected rows read nothing and are 0), and S += q_c kv_c^T in fp32
-     on tensor cores;
-  3. S times scale, -inf where not selected; online softmax in fp32: running max m (a row with nothing selected
-     yet subtracts 0, so padding never makes NaN), running sum l of p = exp(S - m), each accumulator block
-     rescaled by exp(m_old - m_new);
-  4. acc_c += bf16(p) kv_c: the decoded block is the PV product's B operand too (K = V), so no key is read or
-     decoded twice by a program. Decoding a column block at a time keeps the decoded tile small: whole rows
-     took every build to 255 registers.
-One split (splits == 1) finishes in place: m_all = max(m, sink), w = exp(m - m_all) (0 when m = -inf),
-d = l w + exp(sink - m_all), out = bf16(acc w / d), lse = m_all + log d. Several splits store fp32 partials
-(acc, m, l per split, token and head) and a combine launch merges them the same way, the sink joining there
-(programs of a token x a few heads x a column block, many small ones at T = 1). NaN in a selected key's record
-makes its score NaN, which p and then l, acc, out and lse carry (as the reference; a +inf score gives lse +inf);
-unselected slots are never read. Under the interpreter (INTERPRETED) tl.dot cannot multiply bf16, so the
-operands are fp32 there (exact) and p and out are rounded to bf16 explicitly, as the GPU's conversions do.
-
-H200 bounds (v41-flash: H = 64, topk 512 fp4 + W 128 mxfp8 per token): per token topk x 288 + W x 528 = 211 KB
-of records plus 4 B per index entry (44 ns at 4.8 TB/s), and 4 x 512 x H x 640 = 84 MFLOP on bf16 tensor cores
-(85 ns at 990 TFLOP/s), plus the decode of every record by each head group (~8 integer / fp32 ops per value on
-the CUDA cores, 4 groups of 16 heads at H = 64: the registers allow no more heads per program, see the space):
-the arithmetic bounds it, not memory. T = 1 fills the SMs only through the split; its partials (H x 512 x 4 B
-per split and token, written and read back) then move more bytes than the records, from L2.
+grid: (tokens x head groups, splits); block: 8 warps; tile: BLOCK_H heads (up to 64, all of a token: wgmma's M
+side, so each record is decoded once per token) x BLOCK_N keys x 512 columns in BLOCK_D-wide blocks. Per key block
+(problem.key_splits: the top-k's blocks, then the window's; one cache and format per block):
+  1. BLOCK_N slots -> record addresses; per column block the codes and scale words are gathered (cp.async) and
+     decoded exactly (triton_records.decode_records) into bf16, and S += q_c kv_c^T on tensor cores;
+  2. online softmax in fp32 (p rounded to the nearest bf16), acc_c = acc_c alpha + p kv_c (K = V).
+One split finishes in place (the sink joins, `_weight`); several store fp32 partials that `combine_kernel` merges.
+H200 (v41-flash): per token 84 MFLOP (tensor 85 ns) and 211 KB of records (44 ns of HBM); the model has the
+decode's integer work and the accumulator's rescale bind it (docs/operators.md section 8, "Design").
 """
 
 from __future__ import annotations
@@ -48,7 +25,7 @@ from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import bf16_to_f32
 from flashkern.kernels.kv_cache.problem import key_splits
-from flashkern.kernels.kv_cache.triton_records import D, decode_records, slot_offset
+from flashkern.kernels.kv_cache.triton_records import D, decode_records, slot_offset, word_aligned
 from flashkern.reference.kv_cache import LATENT
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -56,7 +33,7 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _attend_block(q, m, l, acc, cache_ptr, page_stride, block_size, cache_slots, index_ptr, width, first, scale,
-                  FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+                  FORMAT: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
     """The online-softmax step (m, l, acc) -> (m, l, acc) over key entries first .. first + BLOCK_N - 1 of one
     token's index row at index_ptr (entries past `width` are padding, as -1 and slots outside the cache).
     q and acc are tuples of the column blocks of the q tile and the accumulator, [BLOCK_H, BLOCK_D] each; the key
@@ -69,16 +46,16 @@ def _attend_block(q, m, l, acc, cache_ptr, page_stride, block_size, cache_slots,
     s = tl.zeros((q[0].shape[0], BLOCK_N), tl.float32)
     kv = ()
     for c in tl.static_range(len(q)):
-        kv_c = decode_records(cache_ptr, row, selected, FORMAT, c * BLOCK_D, BLOCK_D).to(q[c].dtype)
+        kv_c = decode_records(cache_ptr, row, selected, FORMAT, c * BLOCK_D, BLOCK_D, WORDS).to(q[c].dtype)
         s = tl.dot(q[c], tl.trans(kv_c), s)
         kv = kv + (kv_c,)
-    s = tl.where(selected[None, :], s * scale, NEG_INF)
+    s = tl.where(selected[None, :], s * scale, NEG_INF)  # NaN in a selected record stays NaN, as the reference
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    base = tl.where(m_new == NEG_INF, 0.0, m_new)
+    base = tl.where(m_new == NEG_INF, 0.0, m_new)  # nothing selected yet: subtract 0, so padding makes no NaN
     alpha = tl.exp(m - base)
     p = tl.exp(s - base[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    if INTERPRETED:  # p rounded to bf16 as the GPU's conversion does
+    if INTERPRETED:  # p rounded to bf16 as the GPU's conversion does (the interpreter's cast truncates)
         p = round_to_bf16(p)
     p = p.to(q[0].dtype)
     new_acc = ()
@@ -127,7 +104,8 @@ def sparse_attention_kernel(
     swa_ptr, swa_page_stride, swa_block_size, swa_slots, swa_indices_ptr, stride_swa_indices, window,
     sink_ptr, scale, out_ptr, lse_ptr, acc_parts_ptr, max_parts_ptr, sum_parts_ptr,
     tokens, kv_blocks, blocks, blocks_per_split,
-    H: tl.constexpr, KV_FORMAT: tl.constexpr, SWA_FORMAT: tl.constexpr, HAS_SWA: tl.constexpr,
+    H: tl.constexpr, KV_FORMAT: tl.constexpr, SWA_FORMAT: tl.constexpr, KV_WORDS: tl.constexpr,
+    SWA_WORDS: tl.constexpr, HAS_SWA: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
@@ -145,7 +123,7 @@ def sparse_attention_kernel(
     acc = ()
     for c in tl.static_range(D // BLOCK_D):
         q_c = tl.load(q_rows + c * BLOCK_D + column[None, :], mask=head_ok[:, None], other=0.0)
-        if INTERPRETED:  # its tl.dot cannot multiply bf16: fp32 operands (exact), p rounded to bf16 first
+        if INTERPRETED:  # its tl.dot cannot multiply bf16: fp32 operands (exact: bf16 values)
             q_c = bf16_to_f32(q_c)
         q = q + (q_c,)
         acc = acc + (tl.zeros((BLOCK_H, BLOCK_D), tl.float32),)
@@ -156,12 +134,13 @@ def sparse_attention_kernel(
     for block in range(first, tl.minimum(last, kv_blocks)):
         m, l, acc = _attend_block(q, m, l, acc, kv_ptr, kv_page_stride, kv_block_size, kv_slots,
                                   indices_ptr + token * stride_indices, topk, block * BLOCK_N, scale,
-                                  KV_FORMAT, BLOCK_N, INTERPRETED)
+                                  KV_FORMAT, KV_WORDS, BLOCK_N, INTERPRETED)
     if HAS_SWA:
         for block in range(tl.maximum(first, kv_blocks), last):
             m, l, acc = _attend_block(q, m, l, acc, swa_ptr, swa_page_stride, swa_block_size, swa_slots,
                                       swa_indices_ptr + token * stride_swa_indices, window,
-                                      (block - kv_blocks) * BLOCK_N, scale, SWA_FORMAT, BLOCK_N, INTERPRETED)
+                                      (block - kv_blocks) * BLOCK_N, scale, SWA_FORMAT, SWA_WORDS, BLOCK_N,
+                                      INTERPRETED)
     if SPLIT:
         part = (split * tokens + token) * H + head
         for c in tl.static_range(D // BLOCK_D):
@@ -220,6 +199,12 @@ def _cache_args(prefix: str, cache: torch.Tensor | None) -> dict:
             f"{prefix}_slots": cache.shape[0] * cache.shape[1]}
 
 
+def _words(cache: torch.Tensor | None) -> bool:
+    """Whether the cache's records all start 4-byte aligned (records are 288 and 528 B, so: its data pointer and
+    page stride)."""
+    return cache is not None and word_aligned(cache, cache.stride(0))
+
+
 def _combine_tile(problem) -> tuple[int, int]:
     """(heads, columns) of a combine program: GPU 4 x 128 (many small programs: T = 1 and H = 64 gives 64);
     interpreter every head and column of a token at once."""
@@ -252,7 +237,8 @@ def plan_attention(problem, inputs: dict, config: dict, out):
                   stride_swa_indices=0 if swa_indices is None else swa_indices.stride(0), window=problem.window,
                   sink_ptr=inputs["sink"], scale=scale, out_ptr=out.out, lse_ptr=out.lse, **parts, tokens=t,
                   kv_blocks=plan.kv_blocks, blocks=plan.blocks, blocks_per_split=plan.blocks_per_split, H=h,
-                  KV_FORMAT=problem.kv_format, SWA_FORMAT=problem.swa_format, HAS_SWA=problem.swa,
+                  KV_FORMAT=problem.kv_format, SWA_FORMAT=problem.swa_format,
+                  KV_WORDS=_words(inputs["kv_cache"]), SWA_WORDS=_words(inputs["swa_cache"]), HAS_SWA=problem.swa,
                   HAS_SINK=problem.sink, SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n,
                   BLOCK_D=config["block_d"], INTERPRETED=interpreted),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -268,14 +254,12 @@ def plan_attention(problem, inputs: dict, config: dict, out):
 
 
 # ---------------------------------------------------------------- space and defaults
-# Register model, measured with ptxas (sm_90a, Triton 3.9 and 3.6; v41-flash at T = 1 and 4096, smoke shapes):
-# - block_h 16 (tl.dot on mma.sync, q and the kv column blocks staged in shared memory) on 8 warps takes 166-206
-#   registers while block_n <= 32 and block_n x block_d <= 4096 (16 x 64 to 32 x 128, 16 x 256: the decoded
-#   column block is at most 16 values per thread), without spilling; 64 x 64 took 255 and spilled 8-16 B at
-#   T = 1, 8192 (32 x 256, 64 x 128) 150-210 B, 4 warps 60-210 B.
-# - block_h 32 spilled 8-170 B at every block_n and block_d tried (16 warps too); block_h 64 (wgmma, its [64, 512]
-#   fp32 accumulator alone 128 registers per thread on 8 warps) 8-12 B with Triton 3.9, 540-610 B with 3.6.
-#   Decoding whole 512-wide rows instead of column blocks took every config to 255 registers.
+# Register model, measured with ptxas (sm_90a, Triton 3.9; v41-flash at T = 1 and 4096): 8 warps (4 spill).
+# - block_h 16 (mma.sync) and 32 take 193-254 registers without spilling while block_n <= 32 and block_n x
+#   block_d <= 4096 at v41-flash; 32 x 256 spilled 32-96 B, and 32 x 128 12 B at 8 heads (the smoke shapes).
+# - block_h 64 (wgmma on the token's 64 heads; its [64, 512] fp32 accumulator alone 128 registers per thread):
+#   255 registers without spilling at 16 x 64 and 32 x 64 (keys x columns per decoded tile); 16 x 128 spilled
+#   8 B at T = 1, 32 x 128 12-56 B, block_n 64 128-260 B.
 # Shared memory stays under 120 KB (q, the kv column blocks, the pipelined record bytes).
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "block_d": (64, 128, 256, 512),
@@ -283,17 +267,19 @@ ATTENTION_SPACE = Space(
     gpu_only=("num_warps", "num_stages"),
     constraints={"block_h <= max(16, H) (more would be padding only)":
                  lambda p, c: c["block_h"] <= max(16, triton.next_power_of_2(p.heads))},
-    limits={"block_h 16 on 8 warps (registers)": lambda p, c: c["block_h"] == 16 and c["num_warps"] == 8,
-            "block_n <= 32, block_n x block_d <= 4096 (registers)":
-            lambda p, c: c["block_n"] <= 32 and c["block_n"] * c["block_d"] <= 4096},
+    limits={"8 warps (registers: 4 spill)": lambda p, c: c["num_warps"] == 8,
+            "block_n <= 32, block_n x block_d <= 4096, block_d <= 64 at block_h 64 (registers)":
+            lambda p, c: c["block_n"] <= 32 and c["block_n"] * c["block_d"] <= 4096
+            and (c["block_h"] < 64 or c["block_d"] <= 64)},
 )
 
 
 def attention_default(problem) -> dict:
-    """GPU: 16 heads x 32 keys per step in 128-column blocks on 8 warps, 2 stages, up to 16 splits (T = 1, H = 64:
-    4 head groups x 10 splits). Interpreter (each tl op costs about the same whatever its size): up to 64 heads and
-    64 keys per step over whole rows, one split (fewest programs)."""
+    """GPU: a token's heads in one program up to 64 (wgmma's M side: every record is decoded once per token; 128
+    heads take two programs), 32 keys per step in 64-column blocks on 8 warps, 2 stages, up to
+    16 splits within one wave (T = 1, H = 64: 10 splits; T = 64: 2). Interpreter (each tl op costs about the same
+    whatever its size): up to 64 heads and 64 keys per step over whole rows, one split (fewest programs)."""
+    block_h = min(64, max(16, triton.next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
-        return {"block_h": min(64, max(16, triton.next_power_of_2(problem.heads))), "block_n": 64, "block_d": 512,
-                "max_splits": 1, "num_warps": 8, "num_stages": 2}
-    return {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8, "num_stages": 2}
+        return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
+    return {"block_h": block_h, "block_n": 32, "block_d": 64, "max_splits": 16, "num_warps": 8, "num_stages": 2}

@@ -69,17 +69,35 @@ def slot_offset(slot, block_size, page_stride, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def decode_records(records_ptr, row, row_ok, FORMAT: tl.constexpr, FIRST: tl.constexpr, VALUES: tl.constexpr):
+def _scale_bytes(base, row_ok, FIRST_SCALE: tl.constexpr, SCALES: tl.constexpr, WORDS: tl.constexpr):
+    """Scale bytes FIRST_SCALE .. FIRST_SCALE + SCALES - 1 of the records at byte pointers `base` [R, 1], int32
+    [R, SCALES]: with WORDS (4-byte aligned records) read as int32 words and split into bytes (low byte first), so
+    a thread reads 4 bytes at once (asynchronous copies on the GPU; single bytes stay synchronous loads), else byte by
+    byte."""
+    R: tl.constexpr = base.shape[0]
+    if WORDS and SCALES % 4 == 0:
+        words = tl.load((base + FIRST_SCALE).to(tl.pointer_type(tl.int32)) + tl.arange(0, SCALES // 4)[None, :],
+                        mask=row_ok[:, None], other=0)
+        even = tl.join(words & 0xFF, (words >> 16) & 0xFF)  # bytes 0, 2 of each word
+        odd = tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF)  # bytes 1, 3
+        return tl.reshape(tl.join(even, odd), (R, SCALES))  # [word, pair, parity] = byte 2 pair + parity
+    else:
+        return tl.load(base + FIRST_SCALE + tl.arange(0, SCALES)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+
+
+@triton.jit
+def decode_records(records_ptr, row, row_ok, FORMAT: tl.constexpr, FIRST: tl.constexpr, VALUES: tl.constexpr,
+                   WORDS: tl.constexpr = False):
     """Values FIRST .. FIRST + VALUES - 1 (a span of whole scale blocks) of the records at int64 byte offsets `row`
     [R], as fp32 [R, VALUES] (exact); rows not ok read nothing and decode to 0. value = code value x the scale of
-    its block (fp4: e2m1 x e4m3; mxfp8: e4m3 x 2^(e - 127))."""
+    its block (fp4: e2m1 x e4m3; mxfp8: e4m3 x 2^(e - 127)). WORDS: records_ptr and every row are 4-byte aligned
+    (the scale bytes are then read in words)."""
     CODE_BYTES: tl.constexpr = code_bytes(FORMAT)
     GROUP: tl.constexpr = scale_group(FORMAT)
     R: tl.constexpr = row.shape[0]
     SCALES: tl.constexpr = VALUES // GROUP
     base = records_ptr + row[:, None]
-    scale_bytes = tl.load(base + CODE_BYTES + FIRST // GROUP + tl.arange(0, SCALES)[None, :], mask=row_ok[:, None],
-                          other=0)
+    scale_bytes = _scale_bytes(base, row_ok, CODE_BYTES + FIRST // GROUP, SCALES, WORDS)
     codes = tl.load(base + FIRST * CODE_BYTES // D + tl.arange(0, VALUES * CODE_BYTES // D)[None, :],
                     mask=row_ok[:, None], other=0)
     if FORMAT == "fp4":
@@ -89,6 +107,12 @@ def decode_records(records_ptr, row, row_ok, FORMAT: tl.constexpr, FIRST: tl.con
         values = e4m3_decode(codes)
         scales = ue8m0_decode(scale_bytes)
     return tl.reshape(tl.reshape(values, (R, SCALES, GROUP)) * scales[:, :, None], (R, VALUES))
+
+
+def word_aligned(records: torch.Tensor, row_stride: int) -> bool:
+    """Whether every record of `records` (rows `row_stride` bytes apart) starts 4-byte aligned: decode_records may
+    then read words (metadata only: no tensor values are read)."""
+    return records.data_ptr() % 4 == 0 and row_stride % 4 == 0
 
 
 @triton.jit
@@ -147,11 +171,12 @@ def quantize_kernel(latent_ptr, stride_latent, out_ptr, slots_ptr, rows, cache_s
 
 
 @triton.jit
-def dequantize_kernel(records_ptr, stride_records, out_ptr, rows, FORMAT: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def dequantize_kernel(records_ptr, stride_records, out_ptr, rows, FORMAT: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      WORDS: tl.constexpr):
     """fp32 values of records [BLOCK_ROWS program_id(0), +BLOCK_ROWS) into out [rows, 512]."""
     row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_ok = row < rows
-    values = decode_records(records_ptr, row * stride_records, row_ok, FORMAT, 0, D)
+    values = decode_records(records_ptr, row * stride_records, row_ok, FORMAT, 0, D, WORDS)
     tl.store(out_ptr + row[:, None] * D + tl.arange(0, D)[None, :], values, mask=row_ok[:, None])
 
 
@@ -185,7 +210,8 @@ def plan_dequantize(problem, inputs: dict, config: dict, out: torch.Tensor) -> L
     """Values [N, 512] fp32: a program per block_rows records."""
     records = inputs["records"]
     return _launch(dequantize_kernel, problem, config,
-                   dict(records_ptr=records, stride_records=records.stride(0), out_ptr=out))
+                   dict(records_ptr=records, stride_records=records.stride(0), out_ptr=out,
+                        WORDS=word_aligned(records, records.stride(0))))
 
 
 # ---------------------------------------------------------------- spaces and defaults
