@@ -286,20 +286,30 @@ class TileLangKernel:
     A multi-stage implementation returns a tuple of prim_funcs and a tuple of argument lists (None
     skips a stage); the stages run in order.
     gpu_pass_configs: TileLang pass options for the CUDA build (the same for JIT and the sm_90a check).
-    Compiled kernels are cached per (problem.specialization(), config, target).
+    layout(inputs) -> a hashable the programs specialize on besides the problem and config, from the inputs'
+    metadata only (pointer and stride alignment, never values); with it, program(problem, config, flavour, layout).
+    Compiled kernels are cached per (problem.specialization(), config, target, layout).
     """
 
     program: Callable
     arguments: Callable
     gpu_pass_configs: dict = field(default_factory=dict)
     min_capability: tuple[int, int] = (8, 0)
+    layout: Callable | None = None
     cpu_mode = "TileLang C target (compiled with -O2)"
     _compiled: dict = field(default_factory=dict, repr=False)
 
-    def compiled(self, problem, config, fl: Flavour) -> tuple:
-        key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu)
+    def programs(self, problem, config, fl: Flavour, inputs: dict) -> tuple:
+        """The stages' prim_funcs for `inputs` (their layout, where the programs specialize on one)."""
+        if self.layout is None:
+            return _stages(self.program(problem, config, fl))
+        return _stages(self.program(problem, config, fl, self.layout(inputs)))
+
+    def compiled(self, problem, config, fl: Flavour, inputs: dict) -> tuple:
+        layout = None if self.layout is None else self.layout(inputs)
+        key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu, layout)
         if key not in self._compiled:
-            self._compiled[key] = tuple(self._compile(func, fl) for func in _stages(self.program(problem, config, fl)))
+            self._compiled[key] = tuple(self._compile(func, fl) for func in self.programs(problem, config, fl, inputs))
         return self._compiled[key]
 
     def _compile(self, func, fl: Flavour):
@@ -317,7 +327,7 @@ class TileLangKernel:
 
     def run(self, problem, inputs, config, out):
         fl = GPU if _first_tensor(out).is_cuda else CPU
-        kernels = self.compiled(problem, config, fl)
+        kernels = self.compiled(problem, config, fl, inputs)
         for kernel, stage_args in zip(kernels, self._stage_arguments(problem, inputs, config, fl, out, len(kernels))):
             if stage_args is not None:
                 kernel(*stage_args)
@@ -325,19 +335,20 @@ class TileLangKernel:
 
     @staticmethod
     def build_key(problem, config) -> tuple:
-        """What an sm_90a build depends on: the problem without its sizes (dynamic in the kernels) and the config."""
+        """What an sm_90a build depends on: the problem without its sizes (dynamic in the kernels) and the config
+        (a build's inputs come from the operator's make_inputs, in its usual layout)."""
         return problem.specialization(), tuple(sorted(config.items()))
 
     def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
         """Each stage's sm_90a build report."""
-        return tuple(build_sm90(func, self.gpu_pass_configs) for func in _stages(self.program(problem, config, GPU)))
+        return tuple(build_sm90(func, self.gpu_pass_configs) for func in self.programs(problem, config, GPU, inputs))
 
     def build_sm90(self, problem, inputs, config, out) -> BuildReport:
         return BuildReport.merge(self.build_stages_sm90(problem, inputs, config, out))
 
     def traffic(self, problem, inputs, config, out) -> tuple[LaunchTraffic, ...]:
         """Each stage's global-memory traffic as the GPU flavour's design requests it (kernels/_tilelang/traffic)."""
-        funcs = _stages(self.program(problem, config, GPU))
+        funcs = self.programs(problem, config, GPU, inputs)
         stage_args = self._stage_arguments(problem, inputs, config, GPU, out, len(funcs))
         return tuple(NO_TRAFFIC if args is None else traffic.measure(func, list(args), self.gpu_pass_configs)
                      for func, args in zip(funcs, stage_args))

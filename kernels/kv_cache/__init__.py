@@ -369,13 +369,14 @@ def sparse_decode_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, *, swa
 
 def _implementations(triton_module, tilelang_module, stem: str) -> tuple[Implementation, ...]:
     """The Triton and TileLang implementations of one operator: plan_<stem>, <stem>_program, <stem>_args,
-    <STEM>_SPACE and <stem>_default in the two modules."""
+    <STEM>_SPACE and <stem>_default in the two modules (and the TileLang module's <stem>_layout, if any)."""
     space, default = f"{stem.upper()}_SPACE", f"{stem}_default"
     return (
         Implementation("triton", TritonKernel(getattr(triton_module, f"plan_{stem}")), getattr(triton_module, space),
                        getattr(triton_module, default)),
         Implementation("tilelang", TileLangKernel(getattr(tilelang_module, f"{stem}_program"),
-                                                  getattr(tilelang_module, f"{stem}_args")),
+                                                  getattr(tilelang_module, f"{stem}_args"),
+                                                  layout=getattr(tilelang_module, f"{stem}_layout", None)),
                        getattr(tilelang_module, space), getattr(tilelang_module, default)),
     )
 

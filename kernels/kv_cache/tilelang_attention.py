@@ -1,42 +1,21 @@
-"""Sparse decode attention over FP4 / MXFP8 KV-cache records in TileLang: one source for CUDA and the CPU (C) target
-(docs/operators.md section 8.3).
+"""Sparse decode attention over FP4 / MXFP8 KV-cache records in TileLang: one source for CUDA and the CPU (C) target.
 
     s_j = scale * q[t, h] . kv_j over the selected keys j of token t (both caches; -1 / out-of-range slots are none)
     d = sum_j exp(s_j) + exp(sink[h]);  out = bf16(sum_j exp(s_j) / d * kv_j);  lse = log d
 
-Tile plan (FlashMLA's sparse decode; TileLang's examples/deepseek_v32/sparse_mla_fwd.py): the heads of a token
-share every key (MQA over the latent, K = V), so they are the M dimension of the tensor-core tiles.
-  1. attend, grid (T, ceil(H / block_h), splits): program (t, head group, split) walks its key blocks of
-     key_splits(problem, block_h, block_n, max_splits) (kernels/kv_cache/problem.py): the first
-     ceil(topk / block_n) blocks select slots of `indices` in kv_cache, the rest slots of `swa_indices` in
-     swa_cache (two loops, each over one cache in one format). q_tile [block_h, 512] (heads past H are zero rows)
-     is loaded once; per key block of block_n slots:
-       page, row [block_n]: where each slot's record is (page -1: padding or out of range, never read, a zero key,
-       score -inf);
-       rec [block_n, bytes] (shared): the gathered records (int64 page addresses, any page stride);
-       k_tile [block_n, 512] = the keys, dequantized once, in bf16 (exact but for MXFP8 values below bf16's
-       subnormals) in shared memory, for both products;
-       s [block_h, block_n] = q_tile . k_tile^T * scale (fp32 accumulate), online softmax in fp32 with the running
-       max m and sum l per head, p rounded to bf16, acc [block_h, 512] += p . k_tile.
-     The softmax shifts by m where m is finite and by 0 where it is +-inf (torch's logsumexp: a +inf score gives
-     lse +inf, no key yet gives -inf), so empty blocks and empty rows need no special value.
-     One split: out = bf16(acc f / d) and lse = shift + log d, with M = max(m, sink), shift = M (0 if not finite),
-     f = exp(shift(m) - shift) (0 without keys) and d = l f + exp(sink - shift) (no key and no sink: d = 0, out 0,
-     lse -inf). Several splits: acc, m, l to fp32 partials.
-  2. combine (several splits only), grid (T, H), a thread per 4 columns: the same merge over the splits' (acc,
-     m, l), the sink joining there.
-Loads: where q's rows and the caches' pages start on 16-byte boundaries (the host checks pointers and strides) the
-GPU loads q and gathers records in 16-byte cp.async pieces; otherwise row by row, element by element. The key loop
-is not software-pipelined: TileLang 0.1.15 pipelines these cp.async gathers only over a static trip count (a
-dynamic one fails in CUDA codegen), and the trip count here is the split's share of a per-call top-k.
-On the CPU the tiles are local fp32 buffers holding the same bf16-rounded operands, so both targets compute the same
-products; the loops run serially.
-H200 (v41-flash: H = 64, topk 512 FP4 + window 128 MXFP8): a token reads 512 x 288 + 128 x 528 = 215 KiB of records
-and does 4 x 512 x 64 x 640 = 84 MFLOP. Decode (T = 1): 16-head tiles, 10 splits of 64 keys, 40 CTAs, each reading
-its q rows (16 KiB) and writing 32 KiB of partials: latency bound (model: 9 us, launches included). T = 4096: 64-head
-tiles on wgmma, one split, a CTA per token: 880 MB read (0.18 ms at 4.8 TB/s) and 344 GFLOP (0.35 ms at 70% of the
-bf16 peak), so the tensor cores bound it as far as the gathers, which do not overlap the MMAs within a CTA (one CTA
-an SM), let them (model: 515 us, 68% of the roof).
+grid: (T, ceil(H / block_h), splits); block: 128 or 256 threads; tile: block_h heads (the MMA's M side: MQA over the
+latent, K = V) x block_n keys x 512 columns (TileLang's examples/deepseek_v32/sparse_mla_fwd.py, FlashMLA's decode).
+  1. q_tile [block_h, 512] loaded once (16-byte cp.async where attention_layout found it aligned);
+  2. per key block (key_splits: the top-k's blocks, then the window's): each slot's page and row (page -1: none),
+     the records gathered into shared memory, dequantized once into k_tile [block_n, 512] bf16 (exact but for MXFP8
+     values below bf16's subnormals);
+  3. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift by m where finite, else 0: torch's logsumexp),
+     p rounded to bf16, acc [block_h, 512] = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
+  4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges.
+The key loop is not software-pipelined (TileLang 0.1.15 pipelines these cp.async gathers only over a static trip
+count; this one is the split's share of a per-call top-k), so decode and MMA do not overlap within a CTA: the model
+has the decode's issue bind it (docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers
+holding the same bf16-rounded operands, and the loops run serially.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -79,10 +58,11 @@ def _cache_tensor(fmt, blocks, block_size, page_stride):
     return T.StridedTensor((blocks, block_size, fmt.bytes), (page_stride, fmt.bytes, 1), "uint8")
 
 
-def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
+def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned: bool):
     """Stage 1 (module docstring): out / lse directly with one split (the partials are then placeholders
     [1, 1, H, ..]), else the partials [splits, T, H, ..] (acc; m and l). The heads, the window (0 without a window
-    cache) and has_sink are run-time values, so problems that differ only in them share one compiled kernel."""
+    cache) and has_sink are run-time values, so problems that differ only in them share one compiled kernel;
+    `aligned` (attention_layout) chooses the GPU's loads at build time, so a kernel holds one load path."""
     BH, BN = config["block_h"], config["block_n"]
     kv_fmt, swa_fmt = FORMATS[problem.kv_format], FORMATS[problem.swa_format]
     operand = "bfloat16" if fl.on_gpu else "float32"  # the gemm tiles: bf16 values either way
@@ -102,12 +82,12 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
         return stored if fl.on_gpu else fl.load_bf16(stored)
 
     @T.macro
-    def fill_rows(tile, rows, width, piece, strides, aligned, value):
+    def fill_rows(tile, rows, width, piece, strides, value):
         """tile[r, c] = value(r, c) over a [rows, width] tile that global loads fill. On the GPU with `aligned` set
         (the host found the source 16-byte aligned and its `strides` multiples of a `piece`, the elements in 16
         bytes) in 16-byte pieces through cp.async; otherwise a row at a time, element by element."""
         if fl.on_gpu:
-            if aligned != 0:
+            if aligned:
                 for stride in strides:
                     T.assume(stride % piece == 0)
                 for r, c in T.Parallel(rows, width, coalesced_width=T.int32(piece), prefer_async=True):
@@ -121,19 +101,19 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
                 tile[r, c] = value(r, c)
 
     @T.macro
-    def load_q(Q, t, h0, aligned, q_tile):
+    def load_q(Q, t, h0, q_tile):
         """q_tile = the block's heads of token t (rows past H zero)."""
-        fill_rows(q_tile, BH, LATENT, BF16_PER_16_BYTES, Q.strides[:2], aligned, lambda h, d: T.if_then_else(
+        fill_rows(q_tile, BH, LATENT, BF16_PER_16_BYTES, Q.strides[:2], lambda h, d: T.if_then_else(
             h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
 
     @T.macro
-    def load_keys(Cache, Indices, fmt, t, first, aligned, page, row, rec, k_tile):
+    def load_keys(Cache, Indices, fmt, t, first, page, row, rec, k_tile):
         """The key block of entries first .. first + BN - 1 of Indices[t]: page and row of each slot (page -1:
         none), the records gathered, dequantized once into k_tile (zero rows for none)."""
         for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
             locate_slot(Cache, T.if_then_else(first + n < Indices.shape[1],
                                               Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
-        fill_rows(rec, BN, fmt.bytes, 16, Cache.strides[:1], aligned, lambda n, b: T.if_then_else(
+        fill_rows(rec, BN, fmt.bytes, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
             page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
         for n, g in fl.parallel(BN, fmt.scales):
             scale = T.if_then_else(page[n] >= 0, scale_value(fmt, rec, n, g), T.float32(0))
@@ -179,7 +159,6 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
         scale: T.float32,
         blocks_per_split: T.int32,
         has_sink: T.int32,
-        aligned: T.int32,
     ):
         with T.Kernel(NT, T.ceildiv(H, BH), SP, threads=config["threads"]) as (t, head_group, split):
             q_tile = fl.shared((BH, LATENT), operand)
@@ -199,7 +178,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
             alpha = fl.fragment((BH,), "float32")
             h0, first = head_group * BH, split * blocks_per_split
 
-            load_q(Q, t, h0, aligned, q_tile)
+            load_q(Q, t, h0, q_tile)
             for h, d in fl.parallel(BH, LATENT):
                 acc[h, d] = 0.0
             for h in fl.parallel(BH):
@@ -207,11 +186,11 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
                 l[h] = 0.0
             # the split's key blocks [first, first + blocks_per_split): those of the main cache, then the window's
             for i in T.serial(T.max(T.min(first + blocks_per_split, kv_key_blocks) - first, 0)):
-                load_keys(KV, Indices, kv_fmt, t, (first + i) * BN, aligned, page, row, rec, k_tile)
+                load_keys(KV, Indices, kv_fmt, t, (first + i) * BN, page, row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
             for i in T.serial(T.max(T.min(first + blocks_per_split, key_blocks) - T.max(first, kv_key_blocks), 0)):
-                load_keys(Swa, SwaIndices, swa_fmt, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, aligned,
-                          page, row, rec, k_tile)
+                load_keys(Swa, SwaIndices, swa_fmt, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, page,
+                          row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
 
             if SP == 1:  # out = acc f / d, lse = shift + log d (block_max: the shift; alpha: f / d)
@@ -241,7 +220,9 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour):
 
 def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
     """Stage 2 (module docstring): merge the splits' partials [splits, T, H, ..] of a (token, head), the sink
-    joining; splits <= max_splits, so the split weights live in registers."""
+    joining. Every thread takes the split weights exp(shift(m_s) - shift) / d into shared memory (the same values,
+    one split a thread), then sums its columns over the splits that ran: loops over the run-time split count, so a
+    plan with few splits issues no work for the rest."""
     MS = config["max_splits"]
     NT, H, SP = T.dynamic("T"), T.dynamic("heads"), T.dynamic("splits")
 
@@ -255,7 +236,7 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
         has_sink: T.int32,
     ):
         with T.Kernel(NT, H, threads=COMBINE_THREADS) as (t, h):
-            weight = T.alloc_local((MS,), "float32")  # exp(shift(m_s) - shift) / d per split
+            weight = fl.shared((MS,), "float32")
             sink = T.alloc_var("float32", init=_sink(Sink, h, has_sink))
             shift = T.alloc_var("float32", init=sink)
             total = T.alloc_var("float32")
@@ -264,30 +245,30 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
                 shift = T.max(shift, PartialML[s, t, h, 0])
             shift = _shift(shift)
             total = T.exp(sink - shift)  # 0 without a sink
-            for s in T.unroll(MS):
-                weight[s] = T.if_then_else(s < SP, _rescale(PartialML[T.min(s, SP - 1), t, h, 0], shift), 0.0)
-                total = total + T.if_then_else(s < SP, weight[s] * PartialML[T.min(s, SP - 1), t, h, 1], 0.0)
+            for s in T.serial(SP):
+                total = total + _rescale(PartialML[s, t, h, 0], shift) * PartialML[s, t, h, 1]
+            for s in fl.parallel(MS):
+                weight[s] = T.if_then_else(
+                    (s < SP) & (total > 0.0), _rescale(PartialML[T.min(s, SP - 1), t, h, 0], shift) / total, 0.0)
             Lse[t, h] = shift + T.log(total)
-            for s in T.unroll(MS):
-                weight[s] = T.if_then_else(total > 0.0, weight[s] / total, T.float32(0))
             for d in fl.parallel(LATENT):
                 value = 0.0
-                for s in T.unroll(MS):
-                    if s < SP:
-                        value = value + PartialO[s, t, h, d] * weight[s]
+                for s in T.serial(SP):
+                    value = value + PartialO[s, t, h, d] * weight[s]
                 Out[t, h, d] = fl.store_bf16(value)
 
     return combine_splits
 
 
-def attention_program(problem: AttentionProblem, config: dict, fl: Flavour):
+def attention_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned: bool):
     """(attend, combine): the combine runs only when the split plan has more than one split."""
-    return attend_program(problem, config, fl), combine_program(problem, config, fl)
+    return attend_program(problem, config, fl, aligned), combine_program(problem, config, fl)
 
 
-def _aligned(q, *caches) -> bool:
+def attention_layout(inputs: dict) -> bool:
     """Whether q's rows and the caches' pages start on 16-byte boundaries (data pointers and strides: metadata),
     so that the kernel may load them in 16-byte pieces."""
+    q, caches = inputs["q"], [c for c in (inputs["kv_cache"], inputs["swa_cache"]) if c is not None]
     return (q.data_ptr() % 16 == 0 and q.stride(0) % BF16_PER_16_BYTES == 0 and q.stride(1) % BF16_PER_16_BYTES == 0
             and all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0 for c in caches))
 
@@ -312,7 +293,7 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     out_bf16 = fl.bf16_arg(out.out)
     q, kv = inputs["q"], cache_arg(inputs["kv_cache"])
     attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, sink, out_bf16, out.lse, partial_o, partial_ml,
-              scale, plan.blocks_per_split, int(problem.sink), int(_aligned(q, kv, swa))]
+              scale, plan.blocks_per_split, int(problem.sink)]
     if plan.splits == 1:
         return attend, None
     return attend, [partial_o, partial_ml, sink, out_bf16, out.lse, int(problem.sink)]
@@ -320,34 +301,35 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 
 # ---------------------------------------------------------------- tuning space
 
-# sm_90a builds (nvcc --resource-usage; both formats' paths and both load paths are in every build), registers a
-# thread at (block_h, threads, block_n): (64, 256, 32) 255 (wgmma), (64, 256, 64) 255 + 104 B of spills, (32, 128, 64)
-# 250 and (32, 128, 32) 245 (mma.sync: below 64 heads a tile no warpgroup MMA), (16, 128, 64) 219, (32, 256, 64)
-# 198: the fp32 accumulator [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's
-# tiles leave room for 32 keys a block only. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in
-# bf16 and a 528-byte record tile), within the 227 KiB a CTA may take, so it is not modelled.
+# sm_90a builds (nvcc --resource-usage; both formats' paths in every build, one load path: attention_layout),
+# registers a thread at (block_h, threads, block_n): (64, 256, 16) 255 (wgmma), (64, 256, 32) 255 + 8 B of spills,
+# (64, 256, 64) 255 + 104 B (with both load paths in one build, 32 keys did not spill), (32, 128, 64) 250 and
+# (32, 128, 32) 245 (mma.sync: below 64 heads a tile no warpgroup MMA), (16, 128, 64) 237, (32, 256, 64) 198: the
+# fp32 accumulator [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's tiles
+# leave room for 16 keys a block. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a
+# 528-byte record tile), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
             "threads": (128, 256)},
     gpu_only=("threads",),
     limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
             lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
-            "block_n <= 32 with 64 heads a tile (registers: 64 keys spill next to the warpgroup MMA's accumulator)":
-            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 32,
+            "block_n <= 16 with 64 heads a tile (registers: more keys spill next to the warpgroup MMA's accumulator)":
+            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 16,
             "warps <= (block_h / 16) x (block_n / 8) (MMA pieces of the scores)":
             lambda p, c: c["threads"] // 32 <= c["block_h"] // 16 * (c["block_n"] // 8)},
 )
 
 
 def attention_default(problem: AttentionProblem) -> dict:
-    """Enough tokens to fill the SMs with all of a token's heads in one tile (T x ceil(H / 64) >= 132): the heads in
-    one tile (64: two warpgroups on wgmma, 32-key blocks; fewer heads: 16 or 32, four warps, 64-key blocks), rarely
-    split. Fewer tokens (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the
-    partials stay small (the performance model at T = 1 / 8 / 64, 64 heads: 9 / 14 / 20 us against 14 / 16 / 34 us
-    with 64-head tiles; at T = 4096: 515 us, 68% of the roof, against 1088 us with 16-head tiles)."""
-    if problem.tokens * -(-problem.heads // 64) < H200_SMS:
+    """A token's heads in one tile (64: two warpgroups on wgmma, 16-key blocks; fewer heads: 16 or 32, four warps,
+    64-key blocks) once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens
+    (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The
+    performance model, 64 heads, 16- / 64-head tiles: T = 1 7.0 / 12.1 us, T = 8 13.8 / 17.2 us, T = 64 70 / 54 us;
+    T = 4096 (64-head tiles): 2064 us."""
+    if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
     if block_h == 64:
-        return {"block_h": 64, "block_n": 32, "max_splits": 16, "threads": 256}
+        return {"block_h": 64, "block_n": 16, "max_splits": 16, "threads": 256}
     return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 128}
