@@ -16,6 +16,8 @@ decode's integer work and the accumulator's rescale bind it (docs/operators.md s
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -254,13 +256,18 @@ def plan_attention(problem, inputs: dict, config: dict, out):
 
 
 # ---------------------------------------------------------------- space and defaults
-# Register model, measured with ptxas (sm_90a, Triton 3.9; v41-flash at T = 1 and 4096): 8 warps (4 spill).
+# Register model, measured with ptxas (sm_90a; v41-flash at T = 1 and 4096): 8 warps (4 spill).
+# Triton 3.9:
 # - block_h 16 (mma.sync) and 32 take 193-254 registers without spilling while block_n <= 32 and block_n x
 #   block_d <= 4096 at v41-flash; 32 x 256 spilled 32-96 B, and 32 x 128 12 B at 8 heads (the smoke shapes).
 # - block_h 64 (wgmma on the token's 64 heads; its [64, 512] fp32 accumulator alone 128 registers per thread):
 #   255 registers without spilling at 16 x 64 and 32 x 64 (keys x columns per decoded tile); 16 x 128 spilled
 #   8 B at T = 1, 32 x 128 12-56 B, block_n 64 128-260 B.
+# Triton 3.6 (the oldest supported): block_h 64 spilled 908-1572 B in every tile tried, block_h 32 12-220 B,
+#   block_h 16 nothing at 32 x 64 (191 registers) and 24-36 B at 32 x 128.
 # Shared memory stays under 120 KB (q, the kv column blocks, the pipelined record bytes).
+TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+ALL_HEADS = TRITON_VERSION >= (3, 9)  # a program may hold 64 heads without spilling (the model above)
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "block_d": (64, 128, 256, 512),
             "max_splits": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
@@ -270,16 +277,19 @@ ATTENTION_SPACE = Space(
     limits={"8 warps (registers: 4 spill)": lambda p, c: c["num_warps"] == 8,
             "block_n <= 32, block_n x block_d <= 4096, block_d <= 64 at block_h 64 (registers)":
             lambda p, c: c["block_n"] <= 32 and c["block_n"] * c["block_d"] <= 4096
-            and (c["block_h"] < 64 or c["block_d"] <= 64)},
+            and (c["block_h"] < 64 or c["block_d"] <= 64),
+            "block_h 64 with Triton 3.9 or later (registers: 3.6 spills about 1 KB)":
+            lambda p, c: c["block_h"] < 64 or ALL_HEADS},
 )
 
 
 def attention_default(problem) -> dict:
     """GPU: a token's heads in one program up to 64 (wgmma's M side: every record is decoded once per token; 128
-    heads take two programs), 32 keys per step in 64-column blocks on 8 warps, 2 stages, up to
-    16 splits within one wave (T = 1, H = 64: 10 splits; T = 64: 2). Interpreter (each tl op costs about the same
-    whatever its size): up to 64 heads and 64 keys per step over whole rows, one split (fewest programs)."""
+    heads take two programs; 16 before Triton 3.9, whose builds spill), 32 keys per step in 64-column blocks on 8
+    warps, 2 stages, up to 16 splits within one wave (T = 1, H = 64: 10 splits; T = 64: 2). Interpreter (each tl op
+    costs about the same whatever its size): up to 64 heads and 64 keys per step over whole rows, one split."""
     block_h = min(64, max(16, triton.next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
         return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
-    return {"block_h": block_h, "block_n": 32, "block_d": 64, "max_splits": 16, "num_warps": 8, "num_stages": 2}
+    return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 16, "num_warps": 8,
+            "num_stages": 2}
