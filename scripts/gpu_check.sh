@@ -4,7 +4,7 @@
 # smoke-preset tuning, dispatch tables (JSON), reports and plots, benchmarks, the performance model's
 # predictions against the measured times (docs/model-h200.json vs bench.json) and logs, all
 # written into OUT_DIR, with a one-line-per-step summary in OUT_DIR/summary.txt. The step limits sum to
-# 570 s, inside the project's per-command time budget of 600 s on the lent GPU machine; nothing here has
+# 585 s, inside the project's per-command time budget of 600 s on the lent GPU machine; nothing here has
 # run on an H200 yet. A failed step does not stop the others. Details: docs/gpu.md.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR      (PYTHON=... picks the interpreter; default python3)
@@ -48,9 +48,11 @@ done
 step bench 25 "$py" -m flashkern bench moe_route moe_route_gate --preset v41-flash --budget 0.2 --json "$out/bench.json"
 step indexer-work 30 "$py" benchmarks/indexer_work.py --rows 16 --backends reference,triton,tilelang --budget 0.2 \
     --json "$out/indexer-work.json"
-step mhc-bandwidth 40 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
+step mhc-bandwidth 35 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
 step kv-cache-bytes 20 "$py" benchmarks/kv_cache_bytes.py --tokens 1,8,64 --kernel-tokens 64 --budget 0.2
+step attention-designs 25 "$py" benchmarks/attention_designs.py --tokens 1,8,64,4096 --budget 0.2 \
+    --json "$out/attention-designs.json"
 step model-vs-measured 10 "$py" benchmarks/model_vs_measured.py docs/model-h200.json "$out/bench.json" \
     --json "$out/model-vs-measured.json"
-step dispatch-overhead 15 "$py" benchmarks/dispatch_overhead.py --rounds 5 --number 200
+step dispatch-overhead 10 "$py" benchmarks/dispatch_overhead.py --rounds 5 --number 200
 exit $status
