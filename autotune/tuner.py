@@ -134,13 +134,15 @@ def _build(op_name: str, impl_name: str, problem, config: dict, device: str):
     info = devices.info(device)
     try:
         report = None
-        if info.kind == "cuda" and info.capability == (9, 0):
-            inputs = op.make_inputs(problem, "cpu", 0)
+        sm90 = info.kind == "cuda" and info.capability == (9, 0)
+        # (their layout is what a TileLang program may specialize on)
+        inputs = op.make_inputs(problem, "cpu", 0) if sm90 or impl_name == "tilelang" else None
+        if sm90:
             report = impl.build_sm90(problem, inputs, config, op.empty_outputs(problem, inputs))
             if report.spills:
                 return st.PRUNED, f"spills {report.spills} B at {report.registers} registers (sm_90a)", report
         if impl_name == "tilelang":
-            impl.kernel.compiled(problem, config, GPU if info.kind == "cuda" else CPU)
+            impl.kernel.compiled(problem, config, GPU if info.kind == "cuda" else CPU, inputs)
         return st.OK, "", report
     except Exception as exc:  # a failed build is a stored result, not a crash of the sweep
         last_line = (str(exc).strip().splitlines() or [""])[-1]
