@@ -172,28 +172,49 @@ def indexer_logits_kernel(
 
     out_rows = out_ptr + row.to(tl.int64)[None, :] * width
     span = tl.program_id(1) * (TILES * BLOCK_N)
-    for tile_start in range(span, tl.minimum(span + TILES * BLOCK_N, width), BLOCK_N):
+    span_end = tl.minimum(span + TILES * BLOCK_N, width)
+    # The tiles no row may see ([span, seen_start) and [seen_end, span_end): columns outside [lo_min, hi_max) are
+    # positions outside it, except in the sparse form) are -inf and read nothing; the loop over the others has no
+    # data-dependent branch, so that its key loads pipeline (cp.async), masks doing the rest.
+    if MODE == SPARSE:
+        seen_start, seen_end = span, span_end
+    else:
+        lo_seen = tl.minimum(tl.maximum(lo_min, span), span_end)  # clamped first: ks, ke may be any int32
+        hi_seen = tl.minimum(tl.maximum(hi_max, lo_seen), span_end)
+        seen_start = span + (lo_seen - span) // BLOCK_N * BLOCK_N
+        seen_end = tl.minimum(span + tl.cdiv(hi_seen - span, BLOCK_N) * BLOCK_N, span_end)
+    for tile_start in range(span, seen_start, BLOCK_N):
+        _store_logits(out_rows, tile_start, row_ok, width, tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32),
+                      BF16)
+    for tile_start in range(seen_start, seen_end, BLOCK_N):
         col = tile_start + tl.arange(0, BLOCK_N)
         position, exists = _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE, BLOCK)
         needed = exists & (position >= lo_min) & (position < hi_max)  # what some row sees (and gaps between rows)
-        logits = tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32)
-        if tl.max(needed.to(tl.int32), axis=0) > 0:
-            k_row, ks_row, needed = _key_rows(position, needed, group, keys, table_ptr, stride_table, stride_k_page,
-                                              stride_k_slot, stride_ks_page, stride_ks_slot, MODE, BLOCK)
-            S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row, needed,
-                           FP4, D, BLOCK_D)
-            relu = tl.where(S < 0.0, 0.0, S)  # NaN stays NaN (a 0xFF scale), as the reference's relu
-            heads = tl.reshape(relu, (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
-            scores = tl.sum(heads, axis=2)
-            if not FP4:
-                scores = scores * tl.load(k_scale_ptr + ks_row, mask=needed, other=0.0)[:, None]
-            p = position[:, None]
-            visible = needed[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
-            logits = tl.where(visible, scores, float("-inf"))
-        if BF16:
-            logits = round_to_bf16(logits)  # the interpreter's cast truncates; rounded first, it is exact
-        tl.store(out_rows + col[:, None], logits.to(out_ptr.dtype.element_ty),
-                 mask=(col < width)[:, None] & row_ok[None, :])
+        k_row, ks_row, needed = _key_rows(position, needed, group, keys, table_ptr, stride_table, stride_k_page,
+                                          stride_k_slot, stride_ks_page, stride_ks_slot, MODE, BLOCK)
+        S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row, needed,
+                       FP4, D, BLOCK_D)
+        relu = tl.where(S < 0.0, 0.0, S)  # NaN stays NaN (a 0xFF scale), as the reference's relu
+        heads = tl.reshape(relu, (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
+        scores = tl.sum(heads, axis=2)
+        if not FP4:
+            scores = scores * tl.load(k_scale_ptr + ks_row, mask=needed, other=0.0)[:, None]
+        p = position[:, None]
+        visible = needed[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
+        _store_logits(out_rows, tile_start, row_ok, width, tl.where(visible, scores, float("-inf")), BF16)
+    for tile_start in range(seen_end, span_end, BLOCK_N):
+        _store_logits(out_rows, tile_start, row_ok, width, tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32),
+                      BF16)
+
+
+@triton.jit
+def _store_logits(out_rows, tile_start, row_ok, width, logits, BF16: tl.constexpr):
+    """logits [BLOCK_N, ROWS_PAD] into the tile's columns of the program's rows (out_rows [1, ROWS_PAD] pointers)."""
+    col = tile_start + tl.arange(0, logits.shape[0])
+    if BF16:
+        logits = round_to_bf16(logits)  # the interpreter's cast truncates; rounded first, it is exact
+    tl.store(out_rows + col[:, None], logits.to(out_rows.dtype.element_ty),
+             mask=(col < width)[:, None] & row_ok[None, :])
 
 
 # ---------------------------------------------------------------- plans
