@@ -30,7 +30,7 @@ from pathlib import Path
 import flashkern  # noqa: F401  (Triton's mode before any kernel module)
 import torch
 
-from flashkern import model, registry
+from flashkern import model
 from flashkern.kernels import build
 from flashkern.registry import Cost
 

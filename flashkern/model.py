@@ -154,12 +154,9 @@ def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
     since the last one; cp.async / TMA copies, which pipelined loops wait on stages later, do not count) as
     often as it runs."""
     headers, sizes = dict(traffic.lines), dict(traffic.sizes)
-    trips = sass.trips(profile, headers, sizes)
+    trips, known = sass.trips(profile, headers, sizes)
     executed = profile.executed(trips)
-    traced = all(sass.header_executions(loop.header, headers) is not None
-                 or sass.for_extent(loop.header_text, sizes) is not None
-                 for loop in profile.loops)
-    return Issue(executed, tuple(trips), traced, 1.0 + executed["global_phase"])
+    return Issue(executed, tuple(trips), all(known), 1.0 + executed["global_phase"])
 
 
 @dataclass(frozen=True)

@@ -334,14 +334,17 @@ def _reachable(successors: list[list[int]], start: int) -> set:
     return found
 
 
-def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> list[float]:
-    """Trips per CTA of each loop of `profile`, from how often each source loop header ran per CTA
+def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> tuple[list[float], list[bool]]:
+    """(trips per CTA of each loop of `profile`, whether each was known), from how often each source loop header ran
+    per CTA
     (`header_counts`: (file, line) -> executions, as a tracer sees them: a header runs once per trip and once
     more per entry, when the loop ends), else from a CUDA C header's bounds evaluated with `sizes` (name ->
     value: `for (int k = 0; k < ((N + 63) >> 6); ++k)`). A loop entered e times per CTA (its parent's trips, 1 at
     the top level) that ran h header executions made h - e trips; loops that share a header share its trips. A
-    loop with neither (no line info, bounds that read other variables) is counted as one trip per entry."""
+    loop with neither (no line info, bounds that read other variables) is counted as one trip per entry, and is not
+    known."""
     found: list[float] = []
+    known: list[bool] = []
     sharing: dict = {}
     for loop in profile.loops:
         sharing[loop.header] = sharing.get(loop.header, 0) + 1
@@ -351,10 +354,12 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> l
         if executions is None:
             extent = for_extent(loop.header_text, sizes or {})
             found.append(entries * (1 if extent is None else extent))
+            known.append(extent is not None)
         else:
             share = executions / sharing[loop.header]
             found.append(max(share - entries, share / 2))
-    return found
+            known.append(True)
+    return found, known
 
 
 def header_executions(header: tuple[str, int] | None, header_counts: dict) -> float | None:

@@ -25,7 +25,7 @@ from flashkern import checks, registry
 from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
 from flashkern.kernels.kv_cache.problem import paged
 from flashkern.reference import kv_cache as ref
-from flashkern.reference.formats import E2M1_GRID, E4M3_MAX
+from flashkern.reference.formats import E4M3_MAX
 
 BACKENDS = ("reference", "triton", "tilelang")
 KERNELS = ("triton", "tilelang")

@@ -2,7 +2,6 @@
 the model's issue and memory terms on them: loops found from back edges and counted per trip, integer work on
 the integer pipe, straight code counted once, trips from the interpreter's trace of the loop headers."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -71,7 +70,7 @@ def test_a_kernel_without_a_loop_is_counted_once(built):
 def test_trips_come_from_the_traced_loop_header(built, trips):
     launch = kernels.launches(ctas=4, trips=trips)["fma_loop"]
     counted = traffic.measure(launch)
-    assert sass.trips(built["fma_loop"].issue, dict(counted.lines)) == [trips]
+    assert sass.trips(built["fma_loop"].issue, dict(counted.lines)) == ([trips], [True])
     issue = model.issue_of(built["fma_loop"].issue, counted)
     assert issue.traced and issue.per_warp["fma"] == kernels.FMAS * trips
 
@@ -82,7 +81,7 @@ def test_nested_loops_take_their_trips_per_cta_and_unknown_headers_one_per_entry
                                     sass.Loop(20, 80, 0, counts, ("k.py", 12)),
                                     sass.Loop(200, 300, -1, counts, None)))
     # outer: 4 trips (5 header runs); inner: 3 trips per outer trip (4 header runs each, 16 in all)
-    assert sass.trips(profile, {("k.py", 10): 5, ("k.py", 12): 16}) == [4, 12, 1]
+    assert sass.trips(profile, {("k.py", 10): 5, ("k.py", 12): 16}) == ([4, 12, 1], [True, True, False])
 
 
 def test_a_moved_source_file_is_still_the_same_file():
@@ -99,7 +98,7 @@ def test_a_moved_source_file_is_still_the_same_file():
     assert sass.header_executions(None, counts) is None
     profile = sass.Profile(dict.fromkeys((*sass.PIPES, *sass.EVENTS), 0),
                            (sass.Loop(0, 10, -1, {}, ("/moved/kernels/indexer/triton_topk.py", 40)),))
-    assert sass.trips(profile, counts) == [8]  # 9 header runs, entered once
+    assert sass.trips(profile, counts) == ([8], [True])  # 9 header runs, entered once
 
 
 def test_the_issue_term_binds_an_issue_bound_kernel_and_hbm_a_streaming_copy(built):
@@ -170,7 +169,8 @@ def test_out_of_line_retry_paths_are_their_own_loops_inside_the_loop_that_waits(
     assert main.counts["fma"] == 2 and main.counts["alu"] == 2  # its own body, the retry path excluded
     assert retry.counts["lsu"] == 1
     assert profile.straight["lsu"] == 1 and sum(profile.straight.values()) == 2  # S2R and EXIT; the self-branch: never
-    assert sass.trips(profile, {("k.cu", 11): 9}) == [8, 8]  # the wait: one trip per entry (not traced)
+    # the wait: one trip per entry (not traced)
+    assert sass.trips(profile, {("k.cu", 11): 9}) == ([8, 8], [True, False])
 
 
 @pytest.mark.parametrize("header, sizes, trips", [

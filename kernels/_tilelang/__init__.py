@@ -299,17 +299,21 @@ class TileLangKernel:
     cpu_mode = "TileLang C target (compiled with -O2)"
     _compiled: dict = field(default_factory=dict, repr=False)
 
-    def programs(self, problem, config, fl: Flavour, inputs: dict) -> tuple:
-        """The stages' prim_funcs for `inputs` (their layout, where the programs specialize on one)."""
+    def layout_of(self, inputs: dict):
+        """What the programs specialize on in `inputs` (None where they specialize on nothing)."""
+        return None if self.layout is None else self.layout(inputs)
+
+    def programs(self, problem, config, fl: Flavour, layout) -> tuple:
+        """The stages' prim_funcs for inputs of `layout` (layout_of)."""
         if self.layout is None:
             return _stages(self.program(problem, config, fl))
-        return _stages(self.program(problem, config, fl, self.layout(inputs)))
+        return _stages(self.program(problem, config, fl, layout))
 
     def compiled(self, problem, config, fl: Flavour, inputs: dict) -> tuple:
-        layout = None if self.layout is None else self.layout(inputs)
+        layout = self.layout_of(inputs)
         key = (problem.specialization(), tuple(sorted(config.items())), fl.on_gpu, layout)
         if key not in self._compiled:
-            self._compiled[key] = tuple(self._compile(func, fl) for func in self.programs(problem, config, fl, inputs))
+            self._compiled[key] = tuple(self._compile(func, fl) for func in self.programs(problem, config, fl, layout))
         return self._compiled[key]
 
     def _compile(self, func, fl: Flavour):
@@ -341,14 +345,15 @@ class TileLangKernel:
 
     def build_stages_sm90(self, problem, inputs, config, out) -> tuple[BuildReport, ...]:
         """Each stage's sm_90a build report."""
-        return tuple(build_sm90(func, self.gpu_pass_configs) for func in self.programs(problem, config, GPU, inputs))
+        return tuple(build_sm90(func, self.gpu_pass_configs)
+                     for func in self.programs(problem, config, GPU, self.layout_of(inputs)))
 
     def build_sm90(self, problem, inputs, config, out) -> BuildReport:
         return BuildReport.merge(self.build_stages_sm90(problem, inputs, config, out))
 
     def traffic(self, problem, inputs, config, out) -> tuple[LaunchTraffic, ...]:
         """Each stage's global-memory traffic as the GPU flavour's design requests it (kernels/_tilelang/traffic)."""
-        funcs = self.programs(problem, config, GPU, inputs)
+        funcs = self.programs(problem, config, GPU, self.layout_of(inputs))
         stage_args = self._stage_arguments(problem, inputs, config, GPU, out, len(funcs))
         return tuple(NO_TRAFFIC if args is None else traffic.measure(func, list(args), self.gpu_pass_configs)
                      for func, args in zip(funcs, stage_args))

@@ -393,8 +393,6 @@ class _Counter:
         range; guards are not consulted (the CTAs that skip an access are few where the grid's tail skips it).
         Addresses that read data (gathers), and grids over MAX_ENUMERATED CTAs, share nothing."""
         origin = [_first_lane(self.analyzer.simplify(self.resolve(index))) for index in address]
-        if any(e is None for e in origin):
-            return {}
         key = tuple(tvm.ir.structural_hash(e) for e in origin)
         if key not in self.gaps:
             self.gaps[key] = self._gaps_of(origin)
@@ -529,15 +527,12 @@ class _Counter:
 
 
 def _first_lane(expr):
-    """`expr` (an index, perhaps a vector: Ramp, Broadcast) at its first lane; None where that is not expressible."""
+    """`expr` (an index, perhaps a vector: Ramp, Broadcast) at its first lane."""
 
     def first(node):
         return node.base if isinstance(node, E.Ramp) else node.value if isinstance(node, E.Broadcast) else None
 
-    try:
-        return tirx.stmt_functor.ir_transform(tirx.Evaluate(expr), None, first, ["tirx.Ramp", "tirx.Broadcast"]).value
-    except tvm.TVMError:
-        return None
+    return tirx.stmt_functor.ir_transform(tirx.Evaluate(expr), None, first, ["tirx.Ramp", "tirx.Broadcast"]).value
 
 
 def _conjuncts(condition) -> list:

@@ -24,7 +24,7 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.kv_cache.problem import H200_SMS, AttentionProblem, key_splits
+from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
 from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, locate_slot, scale_value
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
