@@ -19,6 +19,7 @@ from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
+from flashkern.kernels.mhc.problem import split_plan
 from flashkern.kernels.mhc.cases import apply_value_mode
 from flashkern.reference import mhc as ref
 from flashkern.reference.mhc import COLLAPSES
@@ -121,6 +122,30 @@ def test_chain_is_post_then_pre(backend, collapse):
     pre_args = {k: v for k, v in inputs.items() if k not in ("y", "residual", "post", "comb")}
     unfused = flashkern.ops.mhc_pre(new_residual, **pre_args, backend=backend)
     torch.testing.assert_close(chain.layer_input.float(), unfused.layer_input.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", ("mhc_pre", "mhc_post_pre"))
+@pytest.mark.parametrize("collapse", COLLAPSES)
+def test_split_k_launch_in_the_gpus_default_config(backend, name, collapse):
+    """The one launch as the GPU runs it (the interpreter's default has one split): several splits of each token
+    tile, the last to count in running the epilogue over the tile in sub-blocks, with a ragged last tile. Equal
+    to the reference, bitwise repeatable, and within the fused tolerance of the one-split result."""
+    op = OPS[name]
+    problem = MhcProblem(37, 1056, has_norm=True, collapse=collapse)
+    inputs = op.make_inputs(problem, DEVICE, seed=11)
+    impl = op.implementation(backend)
+    with flashkern.planning_for_gpu():
+        config = impl.default_config(problem)
+    config = {**config, "block_t": 16, "epi_block_t": 4}  # three token tiles, four epilogue blocks each
+    assert split_plan(problem.hidden, config["split_k"], config["block_d"])[0] > 1, config
+    split = run_and_check(op, inputs, backend, config)
+    again = op.entry(**inputs, backend=backend, config=config)
+    for first, second in zip(split, again):
+        assert torch.equal(first, second), "repeated runs differ"
+    whole = op.entry(**inputs, backend=backend, config={**config, "split_k": 1})
+    for first, second in zip(split, whole):
+        torch.testing.assert_close(first.float(), second.float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))

@@ -252,3 +252,38 @@ def test_sinkhorn_reads_and_writes_each_matrix_once():
         blocks = -(-problem.matrices // config["block_b"])
         assert got == _traffic(blocks, input_bytes, output_bytes)
         assert got.bytes == op.cost(problem).bytes
+
+
+def test_a_ticket_runs_the_last_arrivals_branch_once_per_group():
+    """Split-K with a ticket: each of the 4 splits of a row writes its part, then one thread draws a ticket from
+    the row's counter; the split that draws 3 sums the parts. The ticket is the CTA's rank among the row's
+    splits, so the sum's reads count once per row, exactly; a counter the rule does not know stays data."""
+    N, S = T.dynamic("N"), 4
+
+    def program(counter_of_row: bool):
+        @T.prim_func
+        def split_sum(X: T.Tensor((N, S), "float32"), Parts: T.Tensor((S, N), "float32"),
+                      Count: T.Tensor((N,), "int32"), Out: T.Tensor((N,), "float32")):
+            with T.Kernel(S, N, threads=32) as (s, row):
+                ticket = T.alloc_shared((1,), "int32")
+                total = T.alloc_var("float32", 0.0)
+                Parts[s, row] = X[row, s] * 2.0
+                T.sync_threads()
+                if T.get_thread_binding() == 0:
+                    ticket[0] = T.atomic_add(Count[row if counter_of_row else 0], 1, memory_order="acq_rel",
+                                             return_prev=True)
+                T.sync_threads()
+                if ticket[0] == S - 1:
+                    for k in T.serial(S):
+                        total = total + Parts[k, row]
+                    Out[row] = total
+
+        return split_sum
+
+    rows = 5
+    args = [torch.zeros(rows, S), torch.zeros(S, rows), torch.zeros(rows, dtype=torch.int32), torch.zeros(rows)]
+    ticket_rmw = rows * S * 4  # one thread per CTA: a read and a write
+    exact = measure(program(True), args)
+    assert exact == _traffic(rows * S, rows * S * F32 + ticket_rmw + rows * S * F32,
+                             rows * S * F32 + ticket_rmw + rows * F32)
+    assert not measure(program(False), args).exact

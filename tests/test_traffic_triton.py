@@ -1,6 +1,8 @@
 """Triton traffic counting (kernels/_triton/traffic.py) against hand-computed bytes of tiny kernels."""
 
 import flashkern  # noqa: I001  (first: sets TRITON_INTERPRET=1 before Triton defines anything)
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -9,6 +11,15 @@ import triton.language as tl
 from flashkern import registry
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton.traffic import _ACCESSES, measure
+
+
+@triton.jit
+def _split_sum_last_arrival(x, parts, tickets, out, SPLITS: tl.constexpr):
+    """Split program_id(0) of row program_id(1) writes its part; the row's last split to arrive sums the parts."""
+    split, row = tl.program_id(0), tl.program_id(1)
+    tl.store(parts + row * SPLITS + split, tl.load(x + row * SPLITS + split) * 2.0)
+    if tl.atomic_add(tickets + row, 1) == SPLITS - 1:
+        tl.store(out + row, tl.sum(tl.load(parts + row * SPLITS + tl.arange(0, SPLITS))))
 
 
 @triton.jit
@@ -168,3 +179,27 @@ def test_real_launch_moves_at_least_its_operands(problem_index):
     assert bytes_read >= inputs["x"].numel() * inputs["x"].element_size()
     assert bytes_written >= out.numel() * out.element_size()
     assert bytes_read + bytes_written >= op.cost(problem).bytes
+
+
+def test_cooperating_ctas_are_sampled_in_whole_groups():
+    """Rows of 4 splits whose last arrival sums them: sampled a CTA at a time, no row would finish; sampled in
+    groups (Launch.cooperating), every sampled row runs its last step, and the scaled count is the full walk's."""
+    rows, splits = 40, 4
+    x = torch.randn(rows * splits)
+
+    def launch():
+        args = dict(x=x, parts=torch.zeros(rows * splits), tickets=torch.zeros(rows, dtype=torch.int32),
+                    out=torch.zeros(rows), SPLITS=splits)
+        return Launch(_split_sum_last_arrival, (splits, rows), args, cooperating=splits), args
+
+    full_launch, full_args = launch()
+    full = measure(full_launch, max_ctas=rows * splits)
+    torch.testing.assert_close(full_args["out"], 2 * x.view(rows, splits).sum(1))
+    sampled_launch, sampled_args = launch()
+    sampled = measure(sampled_launch, max_ctas=16)
+    assert (sampled.ctas, sampled.sampled) == (rows * splits, 16)
+    finished = (sampled_args["out"] != 0).nonzero().flatten().tolist()
+    assert finished == [0, 13, 26, 39]  # four whole rows, first and last included
+    assert (sampled.bytes_read, sampled.bytes_written) == (full.bytes_read, full.bytes_written)
+    with pytest.raises(ValueError, match="groups of 3"):
+        measure(dataclasses.replace(sampled_launch, cooperating=3))

@@ -23,7 +23,8 @@ of guards separately). Variables bound once (let bindings, `T.alloc_var` locals 
 
 Where the count is an upper bound (exact=False):
 - a guard that depends on data (reads a buffer, or a local assigned more than once: an early exit, a gather's
-  validity test) is taken as true; so is a group of guards whose variables span more than MAX_ENUMERATED points;
+  validity test) is taken as true, except a ticket (an atomic add's return on Counter[blockIdx.k], as a
+  split-K CTA draws to learn whether it arrived last; `_Counter.ticket`), which is its CTA's rank; so is a group of guards whose variables span more than MAX_ENUMERATED points;
 - a loop whose extent depends on data (`for t in range(tiles[0])`, tiles computed from a tensor read) runs the
   largest extent the analyzer can bound it by from the sizes (min(Ends[b], W) -> W); a loop it cannot bound
   (only the data type limits it) raises ValueError naming the loop, and so does a while loop.
@@ -136,15 +137,21 @@ def _size_bindings(func: tirx.PrimFunc, args: list) -> dict:
 
 
 def _assigned_once(body) -> set:
-    """Data pointers of the `T.alloc_var` locals the program stores to exactly once."""
+    """Data pointers of the `T.alloc_var` locals, and of the buffers holding a ticket, the program stores to exactly
+    once."""
     stores: dict = {}
 
     def visit(node):
-        if isinstance(node, S.BufferStore) and node.buffer.scope() == "local.var":
+        if isinstance(node, S.BufferStore) and (node.buffer.scope() == "local.var" or _is_ticket(node.value)):
             stores[node.buffer.data] = stores.get(node.buffer.data, 0) + 1
 
     tirx.stmt_functor.post_order_visit(body, visit)
     return {data for data, count in stores.items() if count == 1}
+
+
+def _is_ticket(value) -> bool:
+    """An atomic add's returned previous value (the arrival count of a split-K protocol)."""
+    return isinstance(value, E.Call) and _op_name(value) == "tl.atomic_add_ret_elem_op"
 
 
 def _bytes(dtype) -> float:
@@ -276,7 +283,9 @@ class _Counter:
         if node.buffer.data in self.globals:
             self.moved(node.buffer.data, 0, self.executions(node.indices) * _bytes(node.value.dtype))
         elif node.buffer.data in self.assigned_once:
-            self.held[node.buffer.data] = self.resolve(node.value)
+            value = self.ticket(node.value) if _is_ticket(node.value) else self.resolve(node.value)
+            if value is not None:
+                self.held[node.buffer.data] = value
         self.expr(node.value)
         for index in node.indices:
             self.expr(index)
@@ -453,6 +462,24 @@ class _Counter:
         if self.analyzer.can_prove(tirx.Not(conjunct)):
             return _NEVER
         return _Guard(conjunct, tuple(self.dims[v] for v in variables))
+
+    def ticket(self, call: E.Call):
+        """The value a ticket takes, atomic_add_ret(&Counter[blockIdx.k], 1): the CTAs of one counter element
+        count in one at a time, each drawing a distinct value 0, 1, ..; the count hands them out in launch order,
+        so a CTA's ticket is its linear index (x fastest) over the other block indices. None (the ticket stays
+        data) for any other counter address or increment."""
+        pointer, increment = call.args[0], self.resolve(call.args[1])
+        if not (isinstance(pointer, E.Call) and _op_name(pointer) == "tirx.tvm_access_ptr"
+                and isinstance(increment, tirx.IntImm) and increment.value == 1):
+            return None
+        counter = self.resolve(pointer.args[2])
+        if not any(counter.same_as(var) for var in self.blocks.values()):
+            return None
+        rank, stride = tirx.const(0, "int32"), 1
+        for tag in sorted(self.grid):
+            if not self.blocks[tag].same_as(counter):
+                rank, stride = rank + self.blocks[tag] * stride, stride * self.grid[tag]
+        return rank
 
     def resolve(self, expr):
         """`expr` with let-bound variables and assign-once locals replaced by what they hold."""

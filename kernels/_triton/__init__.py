@@ -49,6 +49,9 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 2
     options: dict[str, Any] = field(default_factory=dict)
+    # CTAs that finish one piece of work together, consecutive in CUDA's x-fastest block order (the split-K CTAs of
+    # a tile whose last arrival runs the epilogue): the traffic count samples and traces them as whole groups
+    cooperating: int = 1
 
     def __call__(self) -> None:
         self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.options)

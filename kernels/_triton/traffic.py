@@ -11,7 +11,8 @@ those are the ones counted, so nothing is counted twice:
 
 Sampling: a grid of more than `max_ctas` CTAs is walked on a deterministic sample of program ids — the first
 and the last CTA, the rest evenly spaced over the grid flattened x-fastest (CUDA's block order) — and the totals
-are scaled by ctas / sampled. The walk launches a 1-D grid of `sampled` CTAs and instruments the builder's
+are scaled by ctas / sampled. A launch whose CTAs cooperate (`Launch.cooperating`: the split-K CTAs of a tile,
+whose last arrival runs the epilogue) is sampled in whole groups, so the protocol runs as on the GPU. The walk launches a 1-D grid of `sampled` CTAs and instruments the builder's
 set_grid_idx to turn the i-th index into the i-th sampled program id, and its set_grid_dim to keep the real
 grid (so tl.program_id / tl.num_programs read as in the real launch). This reuses the interpreter's own grid
 loop, argument copies and language patches unchanged, once for the whole walk, with nothing copied out of
@@ -98,13 +99,16 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
     ctas = math.prod(grid)
     if ctas == 0:
         return LaunchTraffic(ctas=0, bytes_read=0.0, bytes_written=0.0, sampled=0)
-    program_ids = [_program_id(index, grid) for index in _sampled_indices(ctas, max_ctas)]
+    group = launch.cooperating
+    if ctas % group:
+        raise ValueError(f"{ctas} CTAs do not split into groups of {group} cooperating ones")
+    program_ids = [_program_id(index, grid) for index in _sampled_indices(ctas, max_ctas, group)]
     storages = _storages(launch.args.values())
     totals = _Totals(starts=np.array([start for start, _ in storages], dtype=np.uint64),
                      ends=np.array([start + size for start, size in storages], dtype=np.uint64),
                      per_storage=np.zeros(len(storages)))
     counting = {name: functools.partial(_counted, access=access, totals=totals) for name, access in _ACCESSES.items()}
-    traced = set(_sampled_indices(len(program_ids), TRACED_CTAS))
+    traced = set(_sampled_indices(len(program_ids), TRACED_CTAS, group))
     with _LineCounter() as lines:
 
         def next_cta(set_grid_idx):
@@ -170,12 +174,16 @@ class _LineCounter:
 _UNTRACED = tuple(os.path.dirname(module.__file__) for module in (triton, np, torch, os)) + (__file__,)
 
 
-def _sampled_indices(ctas: int, max_ctas: int) -> range | list[int]:
-    """Flat CTA indices to interpret: all of them, or max_ctas evenly spaced ones from the first to the last."""
+def _sampled_indices(ctas: int, max_ctas: int, group: int = 1) -> range | list[int]:
+    """Flat CTA indices to interpret: all of them, or about max_ctas in evenly spaced whole groups of `group`
+    consecutive CTAs (at least two groups: the first and the last)."""
     if ctas <= max_ctas:
         return range(ctas)
+    groups, wanted = ctas // group, max(2, max_ctas // group)
+    if groups <= wanted:
+        return range(ctas)
     # a spacing above 1 keeps the floored positions distinct
-    return [i * (ctas - 1) // (max_ctas - 1) for i in range(max_ctas)]
+    return [g * (groups - 1) // (wanted - 1) * group + i for g in range(wanted) for i in range(group)]
 
 
 def _program_id(index: int, grid: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -1,4 +1,4 @@
-"""mHC in Triton: Sinkhorn, the post mapping, and the pre block (alone or fused behind a post) in two launches.
+"""mHC in Triton: Sinkhorn, the post mapping, and the pre block (alone or fused behind a post) in one launch.
 
     sinkhorn:      m = softmax_rows(x) + eps; m /= col sums + eps; iters - 1 times: m /= row sums + eps, col sums + eps
     post:          out[t, j, d] = bf16(sum_i comb[t, i, j] residual[t, i, d] + post[t, j] y[t, d])
@@ -14,21 +14,21 @@ Tile plan (n streams padded to NP, a power of two; padded streams and D tails ar
   sinkhorn:  a program owns BLOCK_B matrices as a [BLOCK_B, NP, NP] tile and iterates in registers.
   post:      grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)); a program forms the [BLOCK_T, NP, BLOCK_D] output tile,
              one input stream at a time (fp32 sum over i, then + post y, rounded to nearest-even bf16).
-  pre, GEMM stage: grid (cdiv(T, BLOCK_T), splits) with (splits, chunk) = split_plan(D, split_k, BLOCK_D);
-             program (tile, s) owns BLOCK_T tokens and columns [s chunk, min(D, (s + 1) chunk)) of every
-             stream. Per BLOCK_D step it holds x [BLOCK_T, NP, BLOCK_D] in fp32 (the residual, or for
-             post_pre the post tile computed by the post kernel's helper, stored as the new residual and used
-             rounded), adds its squares to sq and one dot [BLOCK_T, NP BLOCK_D] x [NP BLOCK_D, M_PAD] (fn^T,
-             M = (2 + n) n mixes padded to M_PAD >= 16) to the mixes; it writes the partials
-             mix_parts[s, t, :M] and sq_parts[s, t].
-  pre, epilogue: a program per BLOCK_T tokens sums the partials in split order 0..S-1, forms the gates, runs the
-             Sinkhorn helper on a [BLOCK_T, NP, NP] tile, then collapses the residual BLOCK_D columns at a time
-             (COLLAPSE, a constexpr, selects the weights, or stream 0's bf16 values stored as they are: a select,
-             never a one-hot multiply, which would turn another stream's inf into NaN); with HAS_NORM, a second
-             pass rescales the stored bf16 layer input.
+  pre / post_pre, one launch: grid (splits, cdiv(T, BLOCK_T)) with (splits, chunk) = split_plan(D, split_k,
+             BLOCK_D). Program (s, tile) walks columns [s chunk, min(D, (s + 1) chunk)) of every stream of BLOCK_T
+             tokens. Per BLOCK_D step it holds x [BLOCK_T, NP, BLOCK_D] in fp32 (the residual, or the post tile,
+             stored as the new residual and used rounded), adds its squares to sq and one dot [BLOCK_T, NP BLOCK_D]
+             x [NP BLOCK_D, M_PAD] (fn^T, M = (2 + n) n padded to M_PAD >= 16) to the mixes; the collapses that
+             need no gates ("carried", "stream0") store their layer input from the same tile. It writes its
+             partials, then takes a ticket (a CTA barrier, one acq_rel atomic on the tile's counter); the last
+             split to arrive sums the partials in split order 0..S-1 and forms the gates and Sinkhorn of the whole
+             tile ([BLOCK_T, NP, NP]); then, EPI_BLOCK_T tokens at a time, "fresh" collapses the residual
+             EPI_BLOCK_D columns at a time (it re-reads what the tile's splits just read: L2 at decode), and with
+             HAS_NORM a last pass rescales the stored rows.
+             Stream 0 is a select, never a one-hot multiply (which would turn another stream's inf into NaN).
 The GEMM reaches fp32 accuracy in two tf32 MMAs (x holds bf16 values, exact in tf32; fn is split in a tf32
 high part and the exact rest). Every sum has a fixed order, so repeated runs are bitwise identical. Token rows
-are addressed in int64.
+are addressed in int64. Bound on an H200: HBM (residual, fn once per tile), 2.4 FLOP per byte.
 """
 
 from __future__ import annotations
@@ -118,52 +118,9 @@ def mhc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
 
 
 @triton.jit
-def mhc_gemm_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr,
-                    y_ptr, post_ptr, comb_ptr, new_res_ptr,  # HAS_POST: the post mapping feeding the GEMM
-                    T, D, chunk,
-                    N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POST: tl.constexpr):
-    """Split-K partial mixes and sums of squares of tokens [BLOCK_T program_id(0), +BLOCK_T), split program_id(1)."""
-    split = tl.program_id(1)
-    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t3 = t[:, None, None]
-    j3 = tl.arange(0, NP)[None, :, None]
-    # fn^T rows k = j BLOCK_D + (d - d0): the order of x's [NP, BLOCK_D] columns flattened
-    k = tl.arange(0, NP * BLOCK_D)
-    k_stream = k // BLOCK_D
-    k_column = k % BLOCK_D
-    m = tl.arange(0, M_PAD)
-    fn_cols = fn_ptr + m[None, :] * (N * D)
-    acc = tl.zeros((BLOCK_T, M_PAD), tl.float32)
-    sq = tl.zeros((BLOCK_T,), tl.float32)
-    start = split * chunk
-    for d0 in range(start, tl.minimum(D, start + chunk), BLOCK_D):
-        d3 = d0 + tl.arange(0, BLOCK_D)[None, None, :]
-        x_ok = (t3 < T) & (j3 < N) & (d3 < D)
-        if HAS_POST:
-            x = _post_tile(y_ptr, res_ptr, post_ptr, comb_ptr, t3, t3 < T, d3, D, N, NP)
-            tl.store(new_res_ptr + t3 * (N * D) + j3 * D + d3, x.to(tl.bfloat16), mask=x_ok)
-        else:
-            x = tl.load(res_ptr + t3 * (N * D) + j3 * D + d3, mask=x_ok, other=0.0).to(tl.float32)
-        sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
-        fn_ok = (k_stream < N) & (d0 + k_column < D)
-        w = tl.load(fn_cols + (k_stream * D + d0 + k_column)[:, None], mask=fn_ok[:, None] & (m < M)[None, :],
-                    other=0.0)
-        acc = _dot_bf16_fp32(tl.reshape(x, (BLOCK_T, NP * BLOCK_D)), w, acc)
-    t_ok = t < T
-    part = split * T + t
-    tl.store(mix_parts_ptr + part[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
-    tl.store(sq_parts_ptr + part, sq, mask=t_ok)
-
-
-@triton.jit
-def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_mix_ptr, norm_ptr,
-                        li_ptr, pre_ptr, post_ptr, comb_ptr,
-                        T, D, splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
-                        N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, COLLAPSE: tl.constexpr,
-                        HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Gates, Sinkhorn and layer input of tokens [BLOCK_T program_id(0), +BLOCK_T) from the GEMM stage's partials."""
-    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+def _gates(t, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, splits,
+           rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr):
+    """pre, post and comb of tokens t [BLOCK_T] (int64) from the split partials, summed in split order."""
     t_ok = t < T
     t2 = t[:, None]
     i2 = tl.arange(0, NP)[None, :]
@@ -174,19 +131,18 @@ def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_pt
     comb_real = (i3 < N) & (j3 < N)
     comb_ok = t_ok[:, None, None] & comb_real
     comb_at = i3 * N + j3
-    # 1. split sums, in split order
-    pre_mix = tl.zeros((BLOCK_T, NP), tl.float32)
-    post_mix = tl.zeros((BLOCK_T, NP), tl.float32)
-    comb_mix = tl.zeros((BLOCK_T, NP, NP), tl.float32)
-    sq = tl.zeros((BLOCK_T,), tl.float32)
+    pre_mix = tl.zeros((t.shape[0], NP), tl.float32)
+    post_mix = tl.zeros((t.shape[0], NP), tl.float32)
+    comb_mix = tl.zeros((t.shape[0], NP, NP), tl.float32)
+    sq = tl.zeros((t.shape[0],), tl.float32)
     for s in range(splits):
         part = s * T + t
         row2 = mix_parts_ptr + part[:, None] * M
         pre_mix += tl.load(row2 + i2, mask=gate_ok, other=0.0)
         post_mix += tl.load(row2 + N + i2, mask=gate_ok, other=0.0)
         comb_mix += tl.load(mix_parts_ptr + part[:, None, None] * M + 2 * N + comb_at, mask=comb_ok, other=0.0)
-        sq += tl.load(sq_parts_ptr + part, mask=t_ok, other=0.0)
-    # 2. gates and Sinkhorn (rows past T compute on zeros and are not stored)
+        sq += tl.load(sq_parts_ptr + 2 * part, mask=t_ok, other=0.0)
+    # rows past T compute on zeros and are not stored
     inv_rms = 1.0 / tl.sqrt(sq / (N * D) + rms_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -201,30 +157,37 @@ def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_pt
     tl.store(pre_ptr + t2 * N + i2, pre, mask=gate_ok)
     tl.store(post_ptr + t2 * N + i2, post, mask=gate_ok)
     tl.store(comb_ptr + t3 * (N * N) + comb_at, comb, mask=comb_ok)
-    # 3. layer input: bf16(sum_i p_i residual_i) or stream 0 as it is, optionally RMS-normalized over the rounded
-    #    values
-    if COLLAPSE == "carried":
-        p = tl.load(pre_mix_ptr + t2 * N + i2, mask=gate_ok, other=0.0)
-    else:
-        p = pre  # unused by "stream0"
-    res_rows = res_ptr + t3 * (N * D) + i3 * D
-    li_rows = li_ptr + t2 * D
-    ssq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        row_ok = t_ok[:, None] & (d < D)[None, :]
-        if COLLAPSE == "stream0":
-            first = tl.load(res_ptr + t2 * (N * D) + d[None, :], mask=row_ok, other=0.0)
-            tl.store(li_rows + d[None, :], first, mask=row_ok)
-            li = first.to(tl.float32)
-        else:
-            r = tl.load(res_rows + d[None, None, :], mask=row_ok[:, None, :] & (i3 < N), other=0.0).to(tl.float32)
-            li = round_to_bf16(tl.sum(p[:, :, None] * r, axis=1))
+
+
+@triton.jit
+def _finish_layer_input(t, res_ptr, sq_parts_ptr, pre_ptr, norm_ptr, li_ptr, T, D, splits, norm_eps,
+                        N: tl.constexpr, NP: tl.constexpr, COLLAPSE: tl.constexpr, HAS_NORM: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """What is left of the layer input of tokens t [EPI_BLOCK_T] (int64) once the gates are stored: the "fresh"
+    collapse bf16(sum_i pre_i residual_i) (the others were stored by the GEMM stage), then the RMSNorm."""
+    t_ok = t < T
+    li_rows = li_ptr + t[:, None] * D
+    li_sq = tl.zeros((t.shape[0],), tl.float32)
+    if COLLAPSE == "fresh":
+        i2 = tl.arange(0, NP)[None, :]
+        pre = tl.load(pre_ptr + t[:, None] * N + i2, mask=t_ok[:, None] & (i2 < N), other=0.0)
+        res_rows = res_ptr + t[:, None, None] * (N * D) + tl.arange(0, NP)[None, :, None] * D
+        ssq = tl.zeros((t.shape[0], BLOCK_D), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            row_ok = t_ok[:, None] & (d < D)[None, :]
+            r = tl.load(res_rows + d[None, None, :], mask=row_ok[:, None, :] & (i2[:, :, None] < N),
+                        other=0.0).to(tl.float32)
+            li = round_to_bf16(tl.sum(pre[:, :, None] * r, axis=1))
             tl.store(li_rows + d[None, :], li.to(tl.bfloat16), mask=row_ok)
-        if HAS_NORM:
-            ssq += li * li
-    if HAS_NORM:
-        inv = 1.0 / tl.sqrt(tl.sum(ssq, axis=1) / D + norm_eps)
+            if HAS_NORM:
+                ssq += li * li
+        li_sq = tl.sum(ssq, axis=1)
+    elif HAS_NORM:
+        for s in range(splits):
+            li_sq += tl.load(sq_parts_ptr + 2 * (s * T + t) + 1, mask=t_ok, other=0.0)
+    if HAS_NORM:  # over the rounded values
+        inv = 1.0 / tl.sqrt(li_sq / D + norm_eps)
         tl.debug_barrier()  # the stored layer input is read back below
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
@@ -232,6 +195,82 @@ def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_pt
             li = tl.load(li_rows + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
             g = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
             tl.store(li_rows + d[None, :], round_to_bf16(li * inv[:, None] * g[None, :]).to(tl.bfloat16), mask=row_ok)
+
+
+@triton.jit
+def mhc_pre_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr, tickets_ptr,
+                   y_ptr, post_in_ptr, comb_in_ptr, new_res_ptr,  # HAS_POST: the post mapping feeding the GEMM
+                   scale_ptr, base_ptr, pre_mix_ptr, norm_ptr, li_ptr, pre_ptr, post_ptr, comb_ptr,
+                   T, D, chunk, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
+                   N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POST: tl.constexpr, COLLAPSE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, EPI_BLOCK_T: tl.constexpr, EPI_BLOCK_D: tl.constexpr):
+    """Split program_id(0) of tokens [BLOCK_T program_id(1), +BLOCK_T): partial mixes and squares (and the layer
+    input of the collapses that need no gates); the tile's last split to finish runs the epilogue."""
+    split = tl.program_id(0)
+    splits = tl.num_programs(0)
+    tile = tl.program_id(1)
+    t = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_ok = t < T
+    t3 = t[:, None, None]
+    j3 = tl.arange(0, NP)[None, :, None]
+    # fn^T rows k = j BLOCK_D + (d - d0): the order of x's [NP, BLOCK_D] columns flattened
+    k = tl.arange(0, NP * BLOCK_D)
+    k_stream = k // BLOCK_D
+    k_column = k % BLOCK_D
+    m = tl.arange(0, M_PAD)
+    fn_cols = fn_ptr + m[None, :] * (N * D)
+    acc = tl.zeros((BLOCK_T, M_PAD), tl.float32)
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    li_sq = tl.zeros((BLOCK_T,), tl.float32)
+    if COLLAPSE == "carried":
+        carried = tl.load(pre_mix_ptr + t[:, None] * N + tl.arange(0, NP)[None, :],
+                          mask=t_ok[:, None] & (tl.arange(0, NP) < N)[None, :], other=0.0)
+    start = split * chunk
+    for d0 in range(start, tl.minimum(D, start + chunk), BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d3 = d[None, None, :]
+        x_ok = (t3 < T) & (j3 < N) & (d3 < D)
+        if HAS_POST:
+            x = _post_tile(y_ptr, res_ptr, post_in_ptr, comb_in_ptr, t3, t3 < T, d3, D, N, NP)
+            tl.store(new_res_ptr + t3 * (N * D) + j3 * D + d3, x.to(tl.bfloat16), mask=x_ok)
+        else:
+            x = tl.load(res_ptr + t3 * (N * D) + j3 * D + d3, mask=x_ok, other=0.0).to(tl.float32)
+        sq += tl.sum(tl.sum(x * x, axis=2), axis=1)
+        fn_ok = (k_stream < N) & (d0 + k_column < D)
+        w = tl.load(fn_cols + (k_stream * D + d0 + k_column)[:, None], mask=fn_ok[:, None] & (m < M)[None, :],
+                    other=0.0)
+        acc = _dot_bf16_fp32(tl.reshape(x, (BLOCK_T, NP * BLOCK_D)), w, acc)
+        if COLLAPSE != "fresh":  # the layer input needs no gates: stored from this tile, no second residual read
+            li_ok = t_ok[:, None] & (d < D)[None, :]
+            li_at = li_ptr + t[:, None] * D + d[None, :]
+            if COLLAPSE == "carried":
+                li = round_to_bf16(tl.sum(carried[:, :, None] * x, axis=1))
+                tl.store(li_at, li.to(tl.bfloat16), mask=li_ok)
+            elif HAS_POST:  # stream 0 of the tile: a select (-0.0 is the sum's identity, so every bit stays)
+                li = tl.sum(tl.where(j3 == 0, x, -0.0), axis=1)
+                tl.store(li_at, li.to(tl.bfloat16), mask=li_ok)
+            else:  # stream 0's stored bf16 bits, copied
+                first = tl.load(res_ptr + t[:, None] * (N * D) + d[None, :], mask=li_ok, other=0.0)
+                tl.store(li_at, first, mask=li_ok)
+                li = first.to(tl.float32)
+            if HAS_NORM:
+                li_sq += tl.sum(li * li, axis=1)
+    part = split * T + t
+    tl.store(mix_parts_ptr + part[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
+    tl.store(sq_parts_ptr + 2 * part, sq, mask=t_ok)
+    tl.store(sq_parts_ptr + 2 * part + 1, li_sq, mask=t_ok)
+    # the tile's splits count in: the last to arrive sees every partial (a CTA barrier, then one acq_rel atomic)
+    tl.debug_barrier()
+    if tl.atomic_add(tickets_ptr + tile, 1) == splits - 1:
+        _gates(t, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, splits,
+               rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, N, NP, M)
+        if COLLAPSE == "fresh" or HAS_NORM:
+            tl.debug_barrier()  # the stored pre is read back
+            for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_BLOCK_T):  # sub-blocks holding tokens
+                _finish_layer_input((tile * BLOCK_T + sub + tl.arange(0, EPI_BLOCK_T)).to(tl.int64),
+                                    new_res_ptr if HAS_POST else res_ptr, sq_parts_ptr, pre_ptr, norm_ptr, li_ptr,
+                                    T, D, splits, norm_eps, N, NP, COLLAPSE, HAS_NORM, EPI_BLOCK_D)
 
 
 # ---------------------------------------------------------------- plans
@@ -265,46 +304,42 @@ def plan_post(problem, inputs: dict, config: dict, out):
                   num_warps=config["num_warps"])
 
 
-def _pre_launches(problem, inputs: dict, config: dict, outputs, post_args: dict | None) -> tuple[Launch, Launch]:
-    """The GEMM stage (on the post mapping when post_args are given) and the epilogue."""
+def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | None) -> Launch:
+    """The one launch of mhc_pre (mhc_post_pre when post_args are given): grid (splits, token tiles)."""
     t, d, n = problem.tokens, problem.hidden, problem.streams
-    residual = inputs["residual"]
     splits, chunk = split_plan(d, config["split_k"], config["block_d"])
-    mix_parts, sq_parts = empty_partials(problem, splits, residual.device)
+    tiles = triton.cdiv(t, config["block_t"])
+    mix_parts, sq_parts, tickets = empty_partials(problem, splits, tiles, inputs["residual"].device)
     has_post = post_args is not None
-    gemm = Launch(
-        mhc_gemm_kernel, grid=(triton.cdiv(t, config["block_t"]), splits),
-        args=dict(res_ptr=residual, fn_ptr=inputs["fn"], mix_parts_ptr=mix_parts, sq_parts_ptr=sq_parts,
-                  **(post_args if has_post else dict.fromkeys(("y_ptr", "post_ptr", "comb_ptr", "new_res_ptr"))),
-                  T=t, D=d, chunk=chunk, M=problem.mixes, M_PAD=_mix_pad(n), BLOCK_T=config["block_t"],
-                  BLOCK_D=config["block_d"], HAS_POST=has_post, **_streams(n)),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
-    epilogue = Launch(
-        mhc_epilogue_kernel, grid=(triton.cdiv(t, config["epi_block_t"]),),
-        args=dict(res_ptr=outputs.residual if has_post else residual, mix_parts_ptr=mix_parts,
-                  sq_parts_ptr=sq_parts, scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
+    return Launch(
+        mhc_pre_kernel, grid=(splits, tiles), cooperating=splits,
+        args=dict(res_ptr=inputs["residual"], fn_ptr=inputs["fn"], mix_parts_ptr=mix_parts, sq_parts_ptr=sq_parts,
+                  tickets_ptr=tickets,
+                  **(post_args if has_post else dict.fromkeys(("y_ptr", "post_in_ptr", "comb_in_ptr", "new_res_ptr"))),
+                  scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
                   pre_mix_ptr=inputs["pre_mix"] if problem.collapse == "carried" else None,
                   norm_ptr=inputs["norm_weight"], li_ptr=outputs.layer_input, pre_ptr=outputs.pre,
-                  post_ptr=outputs.post, comb_ptr=outputs.comb, T=t, D=d, splits=splits,
+                  post_ptr=outputs.post, comb_ptr=outputs.comb, T=t, D=d, chunk=chunk,
                   rms_eps=float(inputs["rms_eps"]), pre_eps=float(inputs["pre_eps"]),
                   sinkhorn_eps=float(inputs["sinkhorn_eps"]), post_mult=float(inputs["post_mult"]),
                   iters=int(inputs["iters"]), norm_eps=float(inputs["norm_eps"]), M=problem.mixes,
-                  COLLAPSE=problem.collapse, HAS_NORM=problem.has_norm, BLOCK_T=config["epi_block_t"],
-                  BLOCK_D=config["epi_block_d"], **_streams(n)),
-        num_warps=config["epi_warps"])
-    return gemm, epilogue
+                  M_PAD=_mix_pad(n), BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], HAS_POST=has_post,
+                  COLLAPSE=problem.collapse, HAS_NORM=problem.has_norm, EPI_BLOCK_T=config["epi_block_t"],
+                  EPI_BLOCK_D=config["epi_block_d"], **_streams(n)),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 def plan_pre(problem, inputs: dict, config: dict, out):
-    """PreOutputs(layer_input, pre, post, comb): the GEMM stage on the residual, then the epilogue."""
-    return _pre_launches(problem, inputs, config, out, None)
+    """PreOutputs(layer_input, pre, post, comb): the GEMM stage on the residual, its last split the epilogue."""
+    return _pre_launch(problem, inputs, config, out, None)
 
 
 def plan_post_pre(problem, inputs: dict, config: dict, out):
     """ChainOutputs(residual, layer_input, pre, post, comb): the GEMM stage on the post mapping (stored as the new
     residual), then the epilogue on the new residual."""
-    post_args = dict(y_ptr=inputs["y"], post_ptr=inputs["post"], comb_ptr=inputs["comb"], new_res_ptr=out.residual)
-    return _pre_launches(problem, inputs, config, out, post_args)
+    post_args = dict(y_ptr=inputs["y"], post_in_ptr=inputs["post"], comb_in_ptr=inputs["comb"],
+                     new_res_ptr=out.residual)
+    return _pre_launch(problem, inputs, config, out, post_args)
 
 
 # ---------------------------------------------------------------- spaces and defaults
@@ -401,20 +436,21 @@ def _epilogue_values_per_thread(problem, config) -> int:
     """The [epi_block_t, NP, epi_block_d] tile per thread, counted at NP >= 4 (the [epi_block_d] vectors weigh as
     much)."""
     tile = config["epi_block_t"] * max(4, next_power_of_2(problem.streams)) * config["epi_block_d"]
-    return tile // (32 * config["epi_warps"])
+    return tile // (32 * config["num_warps"])
 
 
 PRE_SPACE = Space(
     params={"block_t": (16, 32, 64, 128), "block_d": tuple(2**e for e in range(2, 10)),
             "split_k": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (2, 3),
-            "epi_block_t": TOKEN_BLOCKS, "epi_block_d": tuple(2**e for e in range(7, 13)), "epi_warps": (1, 2, 4, 8)},
-    gpu_only=("num_warps", "num_stages", "epi_warps"),
+            "epi_block_t": TOKEN_BLOCKS, "epi_block_d": tuple(2**e for e in range(7, 13))},
+    gpu_only=("num_warps", "num_stages"),
     constraints={
         "n x block_d >= 16 (tl.dot's smallest K)": lambda p, c: _dot_k(p, c) >= 16,
         "x and fn tiles <= 2^20 values (Triton's largest tensor)":
             lambda p, c: _dot_k(p, c) * max(c["block_t"], _mix_pad(p.streams)) <= MAX_NUMEL,
         "epi_block_t x n x epi_block_d <= 2^20 (Triton's largest tensor)":
             lambda p, c: c["epi_block_t"] * next_power_of_2(p.streams) * c["epi_block_d"] <= MAX_NUMEL,
+        "epi_block_t <= block_t (the epilogue walks the token tile)": lambda p, c: c["epi_block_t"] <= c["block_t"],
     },
     limits={
         f"n x block_d x (block_t + mixes) / threads <= {GEMM_VALUES_PER_THREAD} (registers)":
@@ -440,10 +476,9 @@ def pre_default(problem) -> dict:
         block_d = max(16, min(512, next_power_of_2(problem.hidden)))
         epi_block_d = max(128, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": block_t, "block_d": block_d, "split_k": 1, "num_warps": 8, "num_stages": 2,
-                "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
-                "epi_warps": 4}
+                "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d}
     config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 8, "num_stages": 2,
-              "epi_block_t": 1, "epi_block_d": max(128, 4096 // np_), "epi_warps": 4}
+              "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_)}
     while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
         if config["block_d"] > 16 or config["block_t"] == 16:
             config["block_d"] //= 2
