@@ -127,9 +127,9 @@ def test_chain_is_post_then_pre(backend, collapse):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", ("mhc_pre", "mhc_post_pre"))
 @pytest.mark.parametrize("collapse", COLLAPSES)
-def test_split_k_launch_in_the_gpus_default_config(backend, name, collapse):
-    """The one launch as the GPU runs it (the interpreter's default has one split): several splits of each token
-    tile, the last to count in running the epilogue over the tile in sub-blocks, with a ragged last tile. Equal
+def test_split_k_in_the_gpus_default_config(backend, name, collapse):
+    """The split-K path as the GPU runs it (the interpreter's default has one split): several splits of each token
+    tile, a ragged last tile, the epilogue in sub-blocks (Triton: run by the tile's last split to count in). Equal
     to the reference, bitwise repeatable, and within the fused tolerance of the one-split result."""
     op = OPS[name]
     problem = MhcProblem(37, 1056, has_norm=True, collapse=collapse)

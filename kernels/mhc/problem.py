@@ -82,13 +82,11 @@ def empty_chain_outputs(problem: MhcProblem, inputs: dict, device) -> ChainOutpu
     return ChainOutputs(empty_residual(problem, inputs, device), *empty_pre_outputs(problem, inputs, device))
 
 
-def empty_partials(problem: MhcProblem, splits: int, tiles: int, device) -> tuple[torch.Tensor, ...]:
-    """Scratch of the split-K launch: partial mixes [splits, T, (2+n)n] and partial sums of squares [splits, T, 2]
-    (of x, and of the layer input when the GEMM stage stores it), fp32; and the arrival counters of the `tiles`
-    token tiles, int32 zeros (the last split of a tile to count in runs its epilogue)."""
+def empty_partials(problem: MhcProblem, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partial sums of the GEMM stage, fp32: mixes [splits, T, (2+n)n] and sums of squares [splits, T, 2]
+    (of x, and of the layer input where the GEMM stage stores it)."""
     return (torch.empty(splits, problem.tokens, problem.mixes, dtype=torch.float32, device=device),
-            torch.empty(splits, problem.tokens, 2, dtype=torch.float32, device=device),
-            torch.zeros(tiles, dtype=torch.int32, device=device))
+            torch.empty(splits, problem.tokens, 2, dtype=torch.float32, device=device))
 
 
 def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:

@@ -14,24 +14,22 @@ Tile plan:
              `sinkhorn` macro, also run by the epilogue).
   post       grid (T, cdiv(D, block_d)): a thread per column d of a token reads y and the n residual
              streams there and writes all n new streams (the `post_column` macro, shared with the GEMM stage).
-  pre, post_pre: one launch, grid (splits, cdiv(T, block_t)) with problem.split_plan(D, split_k, block_d)
-    evaluated at run time.
-    1. GEMM stage: program (s, tile) walks its chunk of D in block_d steps. Each step fills
+  pre, post_pre: two launches.
+    1. GEMM stage, grid (cdiv(T, block_t), splits) with (splits, chunk) = problem.split_plan(D, split_k,
+       block_d) from the host (splits as the partials' first dimension, chunk a scalar argument, so the
+       model reads the loop's trips from its bounds): program (tile, s) walks its chunk of D in block_d steps. Each step fills
        x [block_t, NS x block_d] (stream j in columns j * block_d ..; NS = n padded to a power of two)
        from the residual, or for post_pre from the post-mapped residual, which it stores to the new
        residual first and rounds to bf16; fn [MP, NS x block_d] (MP = (2 + n) n padded to >= 32) the
        same way; acc [block_t, MP] += x . fn^T (T.gemm, fp32 operands: tf32 on GPU, exact on CPU), and
-       the squares add up elementwise in a [block_t, block_d] tile reduced once at the end. The collapses
-       that need no gates (carried pre_mix, stream 0) store the layer input from the same step and sum its
-       squares. Writes mix_parts[s, t, :] and sq_parts[s, t, :].
-    2. ticket: a CTA barrier, then one thread's acq_rel atomic add on the tile's counter; the split that
-       draws splits - 1 arrived last and sees every partial.
-    3. its epilogue: split sums in order s = 0, 1, ..; a thread per token of the tile: rms scale, gates,
-       Sinkhorn, stores; then epi_block_t tokens at a time the "fresh" layer input over D in epi_block_d
-       tiles, bf16(sum_i pre_i res_i) (re-reading what the tile's splits just read: L2 at decode), its
-       squares summed; with a norm weight a last pass rescales the stored row by rsqrt(mean(li^2) +
-       norm_eps) * w. The collapse and the norm are run-time flags. Stream 0 is stored as its bf16 bits
-       (a select, never a one-hot multiply, which would turn another stream's inf into NaN).
+       the squares add up elementwise in a [block_t, block_d] tile reduced once at the end. Writes
+       mix_parts[s, t, :] and sq_parts[s, t, 0].
+    2. epilogue, a program per epi_block_t tokens (one source for pre and post_pre):
+       split sums in order s = 0, 1, ..; then a thread per token: rms scale, gates, Sinkhorn, stores;
+       then the layer input over D in epi_block_d tiles: bf16(sum_i p_i res_i), or stream 0's bf16
+       values stored as they are (a select, never a one-hot multiply, which would turn another stream's
+       inf into NaN), its squares summed; with a norm weight a second pass rescales the stored row by
+       rsqrt(mean(li^2) + norm_eps) * w. The collapse and the norm are run-time flags.
 T, D and the split count are dynamic and the scalars (iters, the epsilons, post_mult) are run-time
 arguments, so one compiled kernel per source serves every shape. The CPU flavour takes bf16 as uint16
 bits; the index math and the summation order are the same for both targets, and fixed, so repeated
@@ -58,13 +56,6 @@ CARRIED, STREAM0 = COLLAPSES.index("carried"), COLLAPSES.index("stream0")  # the
 def _mix_slots(streams: int) -> int:
     """GEMM output columns: the (2 + n) n mixes padded to a power of two of at least 32."""
     return max(32, next_power_of_2((2 + streams) * streams))
-
-
-def _split_plan(hidden, config: dict):
-    """problem.split_plan(D, split_k, block_d) for a run-time D: (splits, chunk) as expressions."""
-    tiles = T.ceildiv(hidden, config["block_d"])
-    per_split = T.ceildiv(tiles, T.min(config["split_k"], tiles))
-    return T.ceildiv(tiles, per_split), per_split * config["block_d"]
 
 
 def _sinkhorn_macro(n: int):
@@ -192,41 +183,33 @@ def post_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out)
             fl.bf16_arg(out)]
 
 
-# ---------------------------------------------------------------- pre / post_pre: one launch
+# ---------------------------------------------------------------- pre / post_pre: the GEMM stage
 
 
-def _pre_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
-    """mhc_pre (post_first: mhc_post_pre) in one launch (module docstring).
+def _gemm_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
+    """Split-K partials of x @ fn^T and of sum(x^2) (module docstring, stage 1).
 
-    collapse (the index of problem.collapse in COLLAPSES) and has_norm are run-time flags: PreIn [rows, n] is
-    read only when collapse is CARRIED (rows = T), Norm [width] only with has_norm (width = D); otherwise they
-    are 1-row placeholders. Without post_first, Y, Post and Comb are 1-row placeholders and NewRes is Res.
+    post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way.
     """
     n, M, MP, NS = problem.streams, problem.mixes, _mix_slots(problem.streams), next_power_of_2(problem.streams)
-    BT, BD, ET, EBD = config["block_t"], config["block_d"], config["epi_block_t"], config["epi_block_d"]
+    BT, BD = config["block_t"], config["block_d"]
     K = NS * BD
     NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
-    PR, DN, YR = T.dynamic("pre_rows"), T.dynamic("norm_width"), T.dynamic("y_rows")
-    splits, chunk = _split_plan(D, config)
     post_column = _post_macro(n, fl)
-    sinkhorn = _sinkhorn_macro(n)
 
     @T.macro
-    def stage(Y, Res, Post, Comb, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, collapse, has_norm, bx, s):
-        """Split s of token tile bx: partial mixes and squares; the layer input of the gate-free collapses."""
+    def stage(Y, Res, Post, Comb, NewRes, Fn, MixParts, SqParts, chunk, bx, s):
         x = fl.shared((BT, K), "float32")
         w = fl.shared((MP, K), "float32")
         acc = fl.fragment((BT, MP), "float32")
         squares = fl.fragment((BT, BD), "float32")
-        li_squares = fl.fragment((BT, BD), "float32")
         sq = fl.fragment((BT,), "float32")
-        li_sq = fl.fragment((BT,), "float32")
         res = T.alloc_local((n,), "float32")
         out = T.alloc_local((n,), "float32")
-        li = T.alloc_var("float32")
-        T.clear(acc)
-        T.clear(squares)
-        T.clear(li_squares)
+        for r, m in fl.parallel(BT, MP):
+            acc[r, m] = 0.0
+        for r, d in fl.parallel(BT, BD):
+            squares[r, d] = 0.0
         for kd in T.serial(T.ceildiv(T.min(D - s * chunk, chunk), BD)):  # the split's columns
             d0 = s * chunk + kd * BD
             for r, d in fl.parallel(BT, BD):
@@ -236,20 +219,6 @@ def _pre_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: boo
                     else:
                         for j in T.unroll(n):
                             out[j] = fl.load_bf16(Res[bx * BT + r, j, d0 + d])
-                    # the layer input of the collapses that need no gates, from this tile
-                    if collapse == STREAM0:
-                        if post_first:  # the stored new residual's value
-                            LayerInput[bx * BT + r, d0 + d] = fl.store_bf16(out[0])
-                        else:  # the bits, copied
-                            LayerInput[bx * BT + r, d0 + d] = Res[bx * BT + r, 0, d0 + d]
-                        li_squares[r, d] = li_squares[r, d] + out[0] * out[0]
-                    elif collapse == CARRIED:
-                        li = 0.0
-                        for j in T.unroll(n):
-                            li = li + PreIn[T.min(bx * BT + r, PR - 1), j] * out[j]
-                        li = fl.round_bf16(li)
-                        LayerInput[bx * BT + r, d0 + d] = fl.store_bf16(li)
-                        li_squares[r, d] = li_squares[r, d] + li * li
                 else:
                     for j in T.unroll(n):
                         out[j] = 0.0
@@ -263,115 +232,74 @@ def _pre_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: boo
                     Fn[T.min(m, M - 1), T.min(k // BD, n - 1), T.min(d0 + k % BD, D - 1)], 0.0)
             T.gemm(x, w, acc, transpose_B=True)
         T.reduce_sum(squares, sq, dim=1)
-        T.reduce_sum(li_squares, li_sq, dim=1)
         for r, m in fl.parallel(BT, MP):
             if (bx * BT + r < NT) & (m < M):
                 MixParts[s, bx * BT + r, m] = acc[r, m]
         for r in fl.parallel(BT):
             if bx * BT + r < NT:
                 SqParts[s, bx * BT + r, 0] = sq[r]
-                SqParts[s, bx * BT + r, 1] = li_sq[r]
 
-    @T.macro
-    def epilogue(NewRes, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post_, Comb_, rms_eps, pre_eps,
-                 sinkhorn_eps, post_mult, iters, norm_eps, collapse, has_norm, bx):
-        """Token tile bx: split sums, gates and Sinkhorn (a thread per token); then epi_block_t tokens at a time
-        the "fresh" layer input and the norm."""
-        mix = fl.shared((BT, M + 1), "float32")  # the mixes, then the layer input's sum of squares
-        p = fl.shared((BT, n), "float32")  # the fresh collapse's weights
-        inv_rms = fl.shared((ET,), "float32")
-        squares = fl.fragment((ET, EBD), "float32")
-        sq = fl.fragment((ET,), "float32")
-        m = T.alloc_local((n * n,), "float32")
-        sums = T.alloc_local((n,), "float32")
-        total = T.alloc_var("float32")
-        rstd = T.alloc_var("float32")
-        gate = T.alloc_var("float32")
-        t0 = bx * BT
+    if post_first:
+        @T.prim_func
+        def mhc_post_gemm(
+            Y: T.Tensor((NT, D), fl.bf16),
+            Res: T.Tensor((NT, n, D), fl.bf16),
+            Post: T.Tensor((NT, n), "float32"),
+            Comb: T.Tensor((NT, n, n), "float32"),
+            Fn: T.Tensor((M, n, D), "float32"),
+            NewRes: T.Tensor((NT, n, D), fl.bf16),
+            MixParts: T.Tensor((SP, NT, M), "float32"),
+            SqParts: T.Tensor((SP, NT, 2), "float32"),
+            chunk: T.int32,
+        ):
+            with T.Kernel(T.ceildiv(NT, BT), SP, threads=config["threads"]) as (bx, s):
+                stage(Y, Res, Post, Comb, NewRes, Fn, MixParts, SqParts, chunk, bx, s)
 
-        # 1. split sums, in split order (rows past T sum nothing)
-        for r, k in fl.parallel(BT, M):
-            total = 0.0
-            if t0 + r < NT:
-                for s in T.serial(SP):
-                    total = total + MixParts[s, t0 + r, k]
-            mix[r, k] = total
-
-        # 2. a thread per token: rms scale, gates, Sinkhorn
-        for r in fl.parallel(BT):
-            t = T.min(t0 + r, NT - 1)
-            total = 0.0
-            gate = 0.0  # the layer input's squares, then each gate
-            if t0 + r < NT:
-                for s in T.serial(SP):
-                    total = total + SqParts[s, t, 0]
-                    gate = gate + SqParts[s, t, 1]
-            mix[r, M] = gate
-            rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
-            for i in T.unroll(n):
-                gate = 1.0 / (1.0 + T.exp(-(mix[r, i] * rstd * Scale[0] + Base[i]))) + pre_eps
-                p[r, i] = gate
-                if t0 + r < NT:
-                    Pre[t, i] = gate
-                    Post_[t, i] = 1.0 / (1.0 + T.exp(-(mix[r, n + i] * rstd * Scale[1] + Base[n + i]))) * post_mult
-            for k in T.unroll(n * n):
-                m[k] = mix[r, 2 * n + k] * rstd * Scale[2] + Base[2 * n + k]
-            sinkhorn(m, sums, iters, sinkhorn_eps)
-            if t0 + r < NT:
-                for k in T.unroll(n * n):
-                    Comb_[t, k // n, k % n] = m[k]
-
-        for e in T.serial(T.ceildiv(T.min(BT, NT - t0), ET)):  # the tile's sub-blocks that hold tokens
-            te = t0 + e * ET
-            # 3. the "fresh" layer input bf16(sum_i pre_i res_i) needs the gates: one more pass over the residual
-            #    (the other collapses were stored by the GEMM stage, their squares summed in mix[:, M])
-            if (collapse != CARRIED) & (collapse != STREAM0):
-                T.clear(squares)
-                for kd in T.serial(T.ceildiv(D, EBD)):
-                    for r, d in fl.parallel(ET, EBD):
-                        if (te + r < NT) & (kd * EBD + d < D):
-                            total = 0.0
-                            for i in T.unroll(n):
-                                total = total + p[e * ET + r, i] * fl.load_bf16(NewRes[te + r, i, kd * EBD + d])
-                            total = fl.round_bf16(total)
-                            LayerInput[te + r, kd * EBD + d] = fl.store_bf16(total)
-                            squares[r, d] = squares[r, d] + total * total
-                T.reduce_sum(squares, sq, dim=1)
-                for r in fl.parallel(ET):
-                    mix[e * ET + r, M] = sq[r]
-
-            # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
-            if has_norm != 0:
-                for r in fl.parallel(ET):
-                    inv_rms[r] = 1.0 / T.sqrt(mix[e * ET + r, M] / T.Cast("float32", D) + norm_eps)
-                if fl.on_gpu:
-                    T.sync_threads()  # the rows were stored by other threads (and CTAs)
-                for kd in T.serial(T.ceildiv(D, EBD)):
-                    for r, d in fl.parallel(ET, EBD):
-                        if (te + r < NT) & (kd * EBD + d < D):
-                            LayerInput[te + r, kd * EBD + d] = fl.store_bf16(
-                                fl.load_bf16(LayerInput[te + r, kd * EBD + d]) * inv_rms[r]
-                                * fl.load_bf16(Norm[T.min(kd * EBD + d, DN - 1)]))
+        return mhc_post_gemm
 
     @T.prim_func
-    def mhc_pre(
-        Y: T.Tensor((YR, D), fl.bf16),
+    def mhc_gemm(
         Res: T.Tensor((NT, n, D), fl.bf16),
-        Post: T.Tensor((YR, n), "float32"),
-        Comb: T.Tensor((YR, n, n), "float32"),
         Fn: T.Tensor((M, n, D), "float32"),
-        NewRes: T.Tensor((NT, n, D), fl.bf16),
         MixParts: T.Tensor((SP, NT, M), "float32"),
         SqParts: T.Tensor((SP, NT, 2), "float32"),
-        Tickets: T.Tensor((T.ceildiv(NT, BT),), "int32"),
+        chunk: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(NT, BT), SP, threads=config["threads"]) as (bx, s):
+            stage(None, Res, None, None, None, Fn, MixParts, SqParts, chunk, bx, s)
+
+    return mhc_gemm
+
+
+# ---------------------------------------------------------------- pre / post_pre: the epilogue
+
+
+def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
+    """Gates, Sinkhorn and the layer input from the split partials (module docstring, stage 2).
+
+    collapse (the index of problem.collapse in COLLAPSES) and has_norm are run-time flags: PreIn [rows, n] is
+    read only when collapse is CARRIED (rows = T), Norm [width] only with has_norm (width = D); otherwise they
+    are 1-row placeholders.
+    """
+    n, M = problem.streams, problem.mixes
+    ET, EBD = config["epi_block_t"], config["epi_block_d"]
+    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP: the GEMM stage's splits
+    PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
+    sinkhorn = _sinkhorn_macro(n)
+
+    @T.prim_func
+    def mhc_epilogue(
+        Res: T.Tensor((NT, n, D), fl.bf16),
+        MixParts: T.Tensor((SP, NT, M), "float32"),
+        SqParts: T.Tensor((SP, NT, 2), "float32"),
         Scale: T.Tensor((3,), "float32"),
         Base: T.Tensor((M,), "float32"),
         PreIn: T.Tensor((PR, n), "float32"),
         Norm: T.Tensor((DN,), fl.bf16),
         LayerInput: T.Tensor((NT, D), fl.bf16),
         Pre: T.Tensor((NT, n), "float32"),
-        PostOut: T.Tensor((NT, n), "float32"),
-        CombOut: T.Tensor((NT, n, n), "float32"),
+        Post: T.Tensor((NT, n), "float32"),
+        Comb: T.Tensor((NT, n, n), "float32"),
         rms_eps: T.float32,
         pre_eps: T.float32,
         sinkhorn_eps: T.float32,
@@ -381,67 +309,131 @@ def _pre_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: boo
         collapse: T.int32,
         has_norm: T.int32,
     ):
-        with T.Kernel(splits, T.ceildiv(NT, BT), threads=config["threads"]) as (s, bx):
-            ticket = fl.shared((1,), "int32")
-            stage(Y, Res, Post, Comb, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, collapse, has_norm, bx, s)
-            # the tile's splits count in; the last to arrive sees every partial (a CTA barrier, then one acq_rel
-            # atomic by one thread, its value shared)
-            if fl.on_gpu:
-                T.sync_threads()
-                if T.get_thread_binding() == 0:
-                    ticket[0] = T.atomic_add(Tickets[bx], 1, memory_order="acq_rel", return_prev=True)
-                T.sync_threads()
-            else:
-                ticket[0] = T.atomic_add(Tickets[bx], 1, memory_order="acq_rel", return_prev=True)
-            if ticket[0] == SP - 1:
-                epilogue(NewRes, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, PostOut, CombOut, rms_eps,
-                         pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, collapse, has_norm, bx)
+        with T.Kernel(T.ceildiv(NT, ET), threads=config["epi_threads"]) as bx:
+            mix = fl.shared((ET, M), "float32")
+            p = fl.shared((ET, n), "float32")  # the collapse weights
+            inv_rms = fl.shared((ET,), "float32")
+            squares = fl.fragment((ET, EBD), "float32")
+            sq = fl.fragment((ET,), "float32")
+            m = T.alloc_local((n * n,), "float32")
+            sums = T.alloc_local((n,), "float32")
+            total = T.alloc_var("float32")
+            rstd = T.alloc_var("float32")
+            gate = T.alloc_var("float32")
 
-    return mhc_pre
+            # 1. split sums, in split order
+            for r, k in fl.parallel(ET, M):
+                total = 0.0
+                for s in T.serial(SP):
+                    total = total + MixParts[s, T.min(bx * ET + r, NT - 1), k]
+                mix[r, k] = total
+
+            # 2. a thread per token: rms scale, gates, Sinkhorn
+            for r in fl.parallel(ET):
+                t = T.min(bx * ET + r, NT - 1)
+                total = 0.0
+                for s in T.serial(SP):
+                    total = total + SqParts[s, t, 0]
+                rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
+                for i in T.unroll(n):
+                    gate = 1.0 / (1.0 + T.exp(-(mix[r, i] * rstd * Scale[0] + Base[i]))) + pre_eps
+                    p[r, i] = T.if_then_else(collapse == CARRIED, PreIn[T.min(t, PR - 1), i], gate)
+                    if bx * ET + r < NT:
+                        Pre[t, i] = gate
+                        Post[t, i] = 1.0 / (1.0 + T.exp(-(mix[r, n + i] * rstd * Scale[1] + Base[n + i]))) * post_mult
+                for k in T.unroll(n * n):
+                    m[k] = mix[r, 2 * n + k] * rstd * Scale[2] + Base[2 * n + k]
+                sinkhorn(m, sums, iters, sinkhorn_eps)
+                if bx * ET + r < NT:
+                    for k in T.unroll(n * n):
+                        Comb[t, k // n, k % n] = m[k]
+
+            # 3. layer input = bf16(sum_i p_i res_i) or stream 0 as it is, stored; the squares of the stored values
+            #    add up
+            for r, d in fl.parallel(ET, EBD):
+                squares[r, d] = 0.0
+            for kd in T.serial(T.ceildiv(D, EBD)):
+                for r, d in fl.parallel(ET, EBD):
+                    if (bx * ET + r < NT) & (kd * EBD + d < D):
+                        if collapse == STREAM0:
+                            LayerInput[bx * ET + r, kd * EBD + d] = Res[bx * ET + r, 0, kd * EBD + d]
+                            total = fl.load_bf16(Res[bx * ET + r, 0, kd * EBD + d])
+                        else:
+                            total = 0.0
+                            for i in T.unroll(n):
+                                total = total + p[r, i] * fl.load_bf16(Res[bx * ET + r, i, kd * EBD + d])
+                            total = fl.round_bf16(total)
+                            LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(total)
+                        squares[r, d] = squares[r, d] + total * total
+
+            # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
+            if has_norm != 0:
+                T.reduce_sum(squares, sq, dim=1)
+                for r in fl.parallel(ET):
+                    inv_rms[r] = 1.0 / T.sqrt(sq[r] / T.Cast("float32", D) + norm_eps)
+                if fl.on_gpu:
+                    T.sync_threads()  # the rows were stored by other threads
+                for kd in T.serial(T.ceildiv(D, EBD)):
+                    for r, d in fl.parallel(ET, EBD):
+                        if (bx * ET + r < NT) & (kd * EBD + d < D):
+                            LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(
+                                fl.load_bf16(LayerInput[bx * ET + r, kd * EBD + d]) * inv_rms[r]
+                                * fl.load_bf16(Norm[T.min(kd * EBD + d, DN - 1)]))
+
+    return mhc_epilogue
 
 
-def _pre_arguments(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, post_inputs: tuple | None,
-                   new_residual, outputs) -> list:
-    """The launch's arguments; post_inputs (y, post, comb) for mhc_post_pre, whose new residual is stored to
-    new_residual; outputs the (layer_input, pre, post, comb) to fill."""
-    if problem.tokens == 0:
-        return None
-    residual = inputs["residual"]
+def _epilogue_args(problem: MhcProblem, inputs: dict, fl: Flavour, residual, partials, outputs) -> list:
+    """Epilogue arguments: residual is the stage's input (the new residual for post_pre); outputs the
+    (layer_input, pre, post, comb) to fill."""
     device = residual.device
-    splits = split_plan(problem.hidden, config["split_k"], config["block_d"])[0]
-    scratch = empty_partials(problem, splits, -(-problem.tokens // config["block_t"]), device)
-    n = problem.streams
-    y, post, comb = post_inputs or (torch.zeros((1, problem.hidden), dtype=torch.bfloat16, device=device),
-                                    torch.zeros((1, n), device=device), torch.zeros((1, n, n), device=device))
-    pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, n), device=device)
+    pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, problem.streams), device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.zeros(1, dtype=torch.bfloat16, device=device)
-    layer_input, pre, post_out, comb_out = outputs
-    return [fl.bf16_arg(y), fl.bf16_arg(residual), post, comb,
-            inputs["fn"].view(problem.mixes, n, problem.hidden), fl.bf16_arg(new_residual), *scratch,
-            inputs["hc_scale"], inputs["hc_base"], pre_in, fl.bf16_arg(norm), fl.bf16_arg(layer_input), pre,
-            post_out, comb_out, float(inputs["rms_eps"]), float(inputs["pre_eps"]), float(inputs["sinkhorn_eps"]),
-            float(inputs["post_mult"]), int(inputs["iters"]), float(inputs["norm_eps"]),
-            COLLAPSES.index(problem.collapse), int(problem.has_norm)]
+    layer_input, pre, post, comb = outputs
+    return [fl.bf16_arg(residual), *partials, inputs["hc_scale"], inputs["hc_base"], pre_in, fl.bf16_arg(norm),
+            fl.bf16_arg(layer_input), pre, post, comb, float(inputs["rms_eps"]), float(inputs["pre_eps"]),
+            float(inputs["sinkhorn_eps"]), float(inputs["post_mult"]), int(inputs["iters"]),
+            float(inputs["norm_eps"]), COLLAPSES.index(problem.collapse), int(problem.has_norm)]
+
+
+def _partials(problem: MhcProblem, config: dict, device):
+    """The GEMM stage's partial sums, one slice per split of the config's plan, and its chunk of columns."""
+    splits, chunk = split_plan(problem.hidden, config["split_k"], config["block_d"])
+    return empty_partials(problem, splits, device), chunk
+
+
+def _fn_arg(problem: MhcProblem, fn):
+    """fn [(2+n)n, n * D] as the kernels take it: [(2+n)n, n, D]."""
+    return fn.view(problem.mixes, problem.streams, problem.hidden)
 
 
 def pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    """The GEMM stage over the residual, its last split the epilogue."""
-    return _pre_program(problem, config, fl, post_first=False)
+    """(GEMM stage over the residual, epilogue)."""
+    return _gemm_program(problem, config, fl, post_first=False), _epilogue_program(problem, config, fl)
 
 
 def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
-    return _pre_arguments(problem, inputs, config, fl, None, inputs["residual"], out)
+    if problem.tokens == 0:
+        return None
+    residual = inputs["residual"]
+    partials, chunk = _partials(problem, config, residual.device)
+    gemm = [fl.bf16_arg(residual), _fn_arg(problem, inputs["fn"]), *partials, chunk]
+    return gemm, _epilogue_args(problem, inputs, fl, residual, partials, out)
 
 
 def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    """The GEMM stage over the post-mapped residual, which it stores; its last split the epilogue of mhc_pre over
-    that."""
-    return _pre_program(problem, config, fl, post_first=True)
+    """(GEMM stage over the post-mapped residual, which it stores; the epilogue of mhc_pre over that)."""
+    return _gemm_program(problem, config, fl, post_first=True), _epilogue_program(problem, config, fl)
 
 
 def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
-    return _pre_arguments(problem, inputs, config, fl, (inputs["y"], inputs["post"], inputs["comb"]), out.residual,
-                          out[1:])
+    if problem.tokens == 0:
+        return None
+    residual = inputs["residual"]
+    partials, chunk = _partials(problem, config, residual.device)
+    gemm = [fl.bf16_arg(inputs["y"]), fl.bf16_arg(residual), inputs["post"], inputs["comb"],
+            _fn_arg(problem, inputs["fn"]), fl.bf16_arg(out.residual), *partials, chunk]
+    return gemm, _epilogue_args(problem, inputs, fl, out.residual, partials, out[1:])
 
 
 # ---------------------------------------------------------------- tuning spaces
@@ -491,15 +483,16 @@ def post_default(problem: MhcProblem) -> dict:
 
 PRE_SPACE = Space(
     params={"block_t": (16, 32, 64), "block_d": (8, 16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32),
-            "threads": (128, 256), "epi_block_t": (1, 2, 4), "epi_block_d": (128, 256, 512, 1024)},
-    gpu_only=("threads",),
+            "threads": (128, 256), "epi_block_t": (1, 2, 4), "epi_block_d": (128, 256, 512, 1024),
+            "epi_threads": (128, 256)},
+    gpu_only=("threads", "epi_threads"),
     limits={
         "warps <= (block_t / 16) x (MP / 8) (MMA pieces)":
             lambda p, c: c["threads"] // 32 <= c["block_t"] // 16 * (_mix_slots(p.streams) // 8),
         "block_t x block_d / threads <= 8 (registers)": lambda p, c: _gemm_loads(p, c)[0] <= 8,
         "MP x NS x block_d / threads <= 32 (registers)": lambda p, c: _gemm_loads(p, c)[1] <= 32,
-        "threads <= epi_block_t x epi_block_d (a thread per epilogue element)":
-            lambda p, c: c["threads"] <= c["epi_block_t"] * c["epi_block_d"],
+        "epi_threads <= epi_block_t x epi_block_d (a thread per element)":
+            lambda p, c: c["epi_threads"] <= c["epi_block_t"] * c["epi_block_d"],
     },
 )
 
@@ -507,16 +500,13 @@ SMS = 132  # H100 / H200
 
 
 def pre_default(problem: MhcProblem) -> dict:
-    """64-token tiles on 8 warps (16 on 4 warps up to 16 tokens: the last split sums and gates a whole tile), the
-    widest block_d within the register limits; from D = 1024 on (smaller D gains
+    """64-token tiles, 8 warps, the widest block_d within the register limits; from D = 1024 on (smaller D gains
     nothing from splitting) split_k so that tiles x splits is about 2 x SMS, with at least 4 block_d steps a split
-    (decode: 32 splits; prefill of 8192 tokens: 2); the last split of a tile runs the epilogue a token at a time,
-    512 columns a step. Few distinct configs, so the tests compile few kernels."""
-    block_t = 16 if problem.tokens <= 16 else 64
+    (decode: 32 splits; prefill of 8192 tokens: 2); an epilogue program per token, 512 columns a step.
+    Few distinct configs, so the tests compile few kernels."""
     config = next(c for c in (
-        {"block_t": block_t, "block_d": block_d, "split_k": 1, "threads": 256 if block_t == 64 else 128,
-         "epi_block_t": 1, "epi_block_d": 512}
-        for block_d in (32, 16, 8)) if not PRE_SPACE.violations(problem, c))
+        {"block_t": 64, "block_d": block_d, "split_k": 1, "threads": 256, "epi_block_t": 1, "epi_block_d": 512,
+         "epi_threads": 128} for block_d in (32, 16, 8)) if not PRE_SPACE.violations(problem, c))
     if problem.hidden >= 1024:
         tiles = -(-max(problem.tokens, 1) // config["block_t"])
         wanted = min(2 * SMS // tiles, problem.hidden // (4 * config["block_d"]))

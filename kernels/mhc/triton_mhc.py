@@ -309,7 +309,8 @@ def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | 
     t, d, n = problem.tokens, problem.hidden, problem.streams
     splits, chunk = split_plan(d, config["split_k"], config["block_d"])
     tiles = triton.cdiv(t, config["block_t"])
-    mix_parts, sq_parts, tickets = empty_partials(problem, splits, tiles, inputs["residual"].device)
+    mix_parts, sq_parts = empty_partials(problem, splits, inputs["residual"].device)
+    tickets = torch.zeros(tiles, dtype=torch.int32, device=mix_parts.device)  # per call: streams never share them
     has_post = post_args is not None
     return Launch(
         mhc_pre_kernel, grid=(splits, tiles), cooperating=splits,
@@ -352,10 +353,12 @@ def plan_post_pre(problem, inputs: dict, config: dict, out):
 # than 16 columns spill at fewer values (n = 4 block_t 128 x block_d 8: 48 B; n = 8 block_t 32 x block_d 4:
 # 800 B) but were clean in 16-row tiles, which n = 8 needs (its 80 mixes pad to 128). Shared memory stays under
 # 60 KB within these limits.
-# Epilogue: [epi_block_t, NP, epi_block_d] tiles plus [epi_block_t, epi_block_d]: 32 columns per thread at n = 4
-# take 128 registers with the norm pass, 64 columns at n = 1 or 2 take 204-251 (no spill): the limit counts NP as
-# >= 4. Token blocks of 1-8 at 128 values per thread built clean (144-204 registers); 16 and more spilled even at
-# 64 values per thread (4-2852 B: their [epi_block_t, NP, NP] gate tiles).
+# Epilogue (the last split, on the GEMM's warps): the gates of the whole token tile, [block_t, NP, NP] (at most 16
+# values per thread within the GEMM limits), then [epi_block_t, NP, epi_block_d] tiles plus [epi_block_t,
+# epi_block_d]: measured as a launch of its own, 32 columns per thread at n = 4 took 128 registers with the norm
+# pass, 64 columns at n = 1 or 2 took 204-251 (no spill): the limit counts NP as >= 4; token blocks of 1-8 at 128
+# values per thread built clean, 16 and more spilled. In the one launch: n = 4, block_t 128 x block_d 8 on 8 warps
+# with epi_block_t 8 x epi_block_d 1024 (the largest) takes 231 registers, no spill.
 # Post kernel: [NP, block_d]; 64 values per thread take 128 registers, 128 take 211-255, 256 spill (4104 B).
 # Sinkhorn: [block_b, NP, NP] with a few tiles live; 64 values per thread take 145-208 registers, 128 spill.
 MAX_NUMEL = 2**20  # Triton's largest tensor
