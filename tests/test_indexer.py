@@ -306,6 +306,41 @@ def test_two_level_selection_equals_dense_when_every_block_is_a_candidate(backen
     check_topk_result(dense, eligible, 64, sparse, tol=1e-5)  # slot = position here; two kernels round differently
 
 
+def _exact_tie_inputs(problem: SparseProblem) -> dict:
+    """sparse_mqa_logits inputs whose scores are exact in fp32 whatever the summation order: unit queries and keys,
+    w = 1/H, so every candidate scores D, except keys of 2 (every 37th position: 2D), NaN (k_scale NaN at every
+    53rd) and rows' ranges (row 1 starts at 500). The selection is then fixed by the tie rule alone."""
+    inputs = OPS["sparse_mqa_logits"].make_inputs(problem, DEVICE, seed=13)
+    n = torch.arange(problem.keys, device=DEVICE)
+    heads = problem.indexer.heads
+    inputs["q"] = torch.ones_like(inputs["q"], dtype=torch.float32).to(inputs["q"].dtype)
+    inputs["k"] = torch.where(n[:, None] % 37 == 0, 2.0, 1.0).expand(-1, problem.indexer.dim).to(inputs["k"].dtype)
+    inputs["k_scale"] = torch.where(n % 53 == 0, torch.nan, 1.0).float()
+    inputs["w"] = torch.full_like(inputs["w"], 1 / heads)
+    inputs["ks"][1] = 500
+    return inputs
+
+
+def test_sparse_spans_in_the_gpus_default_config():
+    """Triton's GPU default splits a row's candidates into spans, each keeping its best top_k, and a second stage
+    merges a row's (the interpreter's default holds a row in one span): four spans, the last ragged, top_k below a
+    span. Random scores against the reference and oracle, then exact ties across spans, which only the tie rule
+    orders. (TileLang scores every candidate, then selects: its GPU and CPU paths are the same.)"""
+    op, backend = OPS["sparse_mqa_logits"], "triton"
+    problem = SparseProblem(4, 4000, 400, 8, 96)
+    inputs = op.make_inputs(problem, DEVICE, seed=13)
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(op.check(inputs))
+    span = config["tiles"] * config["block_n"]
+    assert problem.top_k < span < problem.candidates, config  # several spans, each dropping candidates
+    run_and_check(op, inputs, backend, config)
+    tied = _exact_tie_inputs(problem)
+    actual = op.entry(**tied, backend=backend, config=config).cpu()
+    expected = op.reference(**tied).cpu()
+    assert (expected[:, -1] >= 0).all() and (torch.arange(4000)[expected[0]] % 37 != 0).any()  # ties decide
+    assert torch.equal(actual, expected)
+
+
 # ---------------------------------------------------------------- the oracles catch wrong answers
 
 

@@ -558,10 +558,12 @@ def _sparse_topk_problem(problem: SparseProblem) -> TopkProblem:
 
 
 def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: torch.Tensor):
-    score, scores = triton_logits.plan_sparse_scores(problem, inputs, config)
-    select = triton_topk.topk_launch(scores, None, out, triton_topk.topk_default(_sparse_topk_problem(problem)),
-                                     drop_neg_inf=True, blocks=inputs["blocks"], block=problem.block)
-    return score, select
+    """Each span's best candidates (scored and selected in registers), then the top-k stage merges a row's."""
+    select, scores, positions, kept_end = triton_logits.plan_sparse_select(problem, inputs, config)
+    merge = triton_topk.topk_launch(scores, kept_end, out, triton_topk.topk_default(TopkProblem(0, scores.shape[1],
+                                                                                               problem.top_k)),
+                                    drop_neg_inf=True, blocks=positions, block=1)
+    return select, merge
 
 
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):

@@ -18,7 +18,12 @@ put while it walks the span one key tile at a time:
      values of D on e2m1 codes decoded to e4m3 in registers (exact), each scaled by its two
      ue8m0 block scales (a power of two: exact; 0xFF is NaN) and summed in chunk order;
   4. relu (NaN kept), times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf
-     masked, stored as fp32 or rounded to nearest-even bf16.
+     masked, stored as fp32 or rounded to nearest-even bf16;
+  5. sparse form: no logits are stored. The span's scores stay in registers as order keys; a radix
+     select there keeps its best min(top_k, span) (the top-k rule) in candidate order, with their
+     positions, and the row's kept end goes up by an atomic max; the top-k stage then merges the row's
+     kept columns (the row's top_k are among them). Tiles past a span's last listed candidate are not
+     scored, so the work follows the listed candidates.
 Index values are never trusted: any int32 in ks, ke, context lengths, block tables or candidate lists addresses
 nothing outside its tensor (keys are read only at columns in [0, width), through table entries and candidate ids
 checked against the cache's blocks and the key count), and what it points at scores -inf (reference/indexer.py).
@@ -41,6 +46,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import ue8m0_decode
+from flashkern.kernels.indexer.triton_topk import NAN_KEY, NEG_INF_KEY, flip_negative, order_key, select_in_registers
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
 MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
@@ -120,6 +126,8 @@ def indexer_logits_kernel(
     ks_ptr, ke_ptr,  # dense and sparse: each row's visible positions [ks, ke)
     table_ptr, context_ptr,  # paged: block table [B, *], context lengths [B] or [B, next_n]
     blocks_ptr,  # sparse: candidate blocks [M, *]
+    positions_ptr, kept_end_ptr,  # sparse: kept candidates' positions [M, spans x KEEP] (out_ptr: their scores);
+    # the end of each row's kept columns [M] (zeroed by the caller): the kept slots of its last span with candidates
     rows, keys, width,  # keys: key rows of a flat table (dense, sparse), cache blocks (paged)
     # element strides: q and q_scale per program group, row within it and head; w per row and head; keys and
     # their scales per page (flat key tables: per position) and slot; block table / candidate blocks per row
@@ -127,7 +135,8 @@ def indexer_logits_kernel(
     stride_w_row, stride_w_head, stride_k_page, stride_k_slot, stride_ks_page, stride_ks_slot, stride_table,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP4: tl.constexpr,
     MODE: tl.constexpr, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    LENS_2D: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    LENS_2D: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr,
+    KEEP_PAD: tl.constexpr,
 ):
     # a program owns ROWS rows of a group of GROUP_ROWS (dense: block_m rows, ROWS = GROUP_ROWS; paged: the next_n
     # tokens of sequence `group`, ROWS of them per program; sparse: row `group`)
@@ -178,16 +187,19 @@ def indexer_logits_kernel(
     # data-dependent branch, so that its key loads pipeline (cp.async), masks doing the rest. The paged form keeps
     # a skip of the tiles no row sees: pipelined, its programs take more registers (127 -> 159 at 2 rows) and
     # shared memory (41 -> 73 KB) and fit one an SM instead of two (the model: 2.5 -> 4.9 us at decode).
-    if MODE == SPARSE:
-        seen_start, seen_end = span, span_end
+    if MODE == SPARSE:  # the tiles between the span's first and last listed candidate (lists are -1 padded)
+        seen_start, seen_end = _listed_tiles(span, span_end, group, keys, width, blocks_ptr, stride_table, BLOCK,
+                                             BLOCK_N, TILES)
+        span_keys = tl.full((TILES, BLOCK_N), NAN_KEY, tl.int32)  # order keys of the span's scores (NaN: none)
     else:
         lo_seen = tl.minimum(tl.maximum(lo_min, span), span_end)  # clamped first: ks, ke may be any int32
         hi_seen = tl.minimum(tl.maximum(hi_max, lo_seen), span_end)
         seen_start = span + (lo_seen - span) // BLOCK_N * BLOCK_N
         seen_end = tl.minimum(span + tl.cdiv(hi_seen - span, BLOCK_N) * BLOCK_N, span_end)
-    for tile_start in range(span, seen_start, BLOCK_N):
-        _store_logits(out_rows, tile_start, row_ok, width, tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32),
-                      BF16)
+    if MODE != SPARSE:
+        for tile_start in range(span, seen_start, BLOCK_N):
+            _store_logits(out_rows, tile_start, row_ok, width,
+                          tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32), BF16)
     for tile_start in range(seen_start, seen_end, BLOCK_N):
         col = tile_start + tl.arange(0, BLOCK_N)
         position, exists = _key_positions(col, group, keys, width, blocks_ptr, stride_table, MODE, BLOCK)
@@ -206,10 +218,50 @@ def indexer_logits_kernel(
             p = position[:, None]
             visible = needed[:, None] & (p >= lo[None, :]) & (p < hi[None, :])  # [BLOCK_N, ROWS_PAD]
             logits = tl.where(visible, scores, float("-inf"))
-        _store_logits(out_rows, tile_start, row_ok, width, logits, BF16)
-    for tile_start in range(seen_end, span_end, BLOCK_N):
-        _store_logits(out_rows, tile_start, row_ok, width, tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32),
-                      BF16)
+        if MODE == SPARSE:  # kept in registers: the span is selected from them
+            tile = tl.arange(0, TILES)[:, None] == (tile_start - span) // BLOCK_N
+            span_keys = tl.where(tile, order_key(tl.reshape(logits, (1, BLOCK_N)), NAN_KEY), span_keys)
+        else:
+            _store_logits(out_rows, tile_start, row_ok, width, logits, BF16)
+    if MODE == SPARSE:
+        _keep_best(span_keys, span, group, keys, width, blocks_ptr, stride_table, out_ptr, positions_ptr, BLOCK,
+                   KEEP, KEEP_PAD)
+        tl.atomic_max(kept_end_ptr + group, (tl.program_id(1) + 1) * KEEP, mask=seen_start < seen_end)
+    else:
+        for tile_start in range(seen_end, span_end, BLOCK_N):
+            _store_logits(out_rows, tile_start, row_ok, width,
+                          tl.full((BLOCK_N, ROWS_PAD), float("-inf"), tl.float32), BF16)
+
+
+@triton.jit
+def _listed_tiles(span, span_end, group, keys, width, blocks_ptr, stride_table, BLOCK: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """[seen_start, seen_end): the span's key tiles from the first to the last holding a listed candidate."""
+    col = span + tl.arange(0, TILES * BLOCK_N)
+    _, exists = _key_positions(col, group, keys, width, blocks_ptr, stride_table, SPARSE, BLOCK)
+    first = tl.min(tl.where(exists, col, span_end), axis=0)
+    last = tl.max(tl.where(exists, col + 1, span), axis=0)
+    seen_start = span + (first - span) // BLOCK_N * BLOCK_N
+    return seen_start, tl.minimum(span + tl.cdiv(last - span, BLOCK_N) * BLOCK_N, span_end)
+
+
+@triton.jit
+def _keep_best(span_keys, span, group, keys, width, blocks_ptr, stride_table, scores_ptr, positions_ptr,
+               BLOCK: tl.constexpr, KEEP: tl.constexpr, KEEP_PAD: tl.constexpr):
+    """The span's KEEP best candidates by the top-k rule (-inf and NaN not eligible), in candidate order, into its
+    KEEP slots of the row's survivors: scores (then -inf) and absolute positions. The row's top-k is among them."""
+    key = tl.reshape(span_keys, (span_keys.shape[0] * span_keys.shape[1],))  # tile-major: candidate order
+    take = key > NEG_INF_KEY  # -inf and NaN are not eligible
+    if KEEP < key.shape[0]:  # else the span keeps all its eligible candidates
+        take = select_in_registers(key, take, KEEP)
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    position, _ = _key_positions(span + tl.arange(0, key.shape[0]), group, keys, width, blocks_ptr, stride_table,
+                                 SPARSE, BLOCK)
+    base = group.to(tl.int64) * (tl.num_programs(1) * KEEP) + tl.program_id(1) * KEEP
+    tl.store(scores_ptr + base + slot, flip_negative(key).to(tl.float32, bitcast=True), mask=take)
+    tl.store(positions_ptr + base + slot, position, mask=take)
+    pad = tl.arange(0, KEEP_PAD)
+    tl.store(scores_ptr + base + pad, float("-inf"), mask=(pad >= tl.sum(take.to(tl.int32), axis=0)) & (pad < KEEP))
 
 
 @triton.jit
@@ -226,14 +278,15 @@ def _store_logits(out_rows, tile_start, row_ok, width, logits, BF16: tl.constexp
 
 
 def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict, lens_2d: bool = False,
-                        bf16: bool = False, group_rows: int | None = None) -> dict:
-    """Shape constants of one specialization (programs of `rows` rows of groups of group_rows, default rows);
-    heads padded so that a dot's N side is >= 16."""
+                        bf16: bool = False, group_rows: int | None = None, keep: int = 0) -> dict:
+    """Shape constants of one specialization (programs of `rows` rows of groups of group_rows, default rows; sparse:
+    `keep` candidates kept per span); heads padded so that a dot's N side is >= 16."""
     rows_pad = triton.next_power_of_2(rows)
     return dict(H=indexer.heads, H_PAD=_heads_pad(indexer, rows),
                 D=indexer.dim, BLOCK_D=max(32, triton.next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
                 MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, GROUP_ROWS=group_rows or rows, BLOCK=block,
-                LENS_2D=lens_2d, BF16=bf16, BLOCK_N=config["block_n"], TILES=config["tiles"])
+                LENS_2D=lens_2d, BF16=bf16, BLOCK_N=config["block_n"], TILES=config["tiles"], KEEP=keep,
+                KEEP_PAD=triton.next_power_of_2(max(keep, 1)))
 
 
 def _query_strides(inputs: dict, rows_per_group: int) -> dict:
@@ -267,7 +320,8 @@ def _launch(groups: int, width: int, config: dict, args: dict) -> Launch:
 
 
 def _unused_addressing() -> dict:
-    return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, stride_table=0)
+    return dict(ks_ptr=None, ke_ptr=None, table_ptr=None, context_ptr=None, blocks_ptr=None, positions_ptr=None,
+                kept_end_ptr=None, stride_table=0)
 
 
 def plan_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor):
@@ -298,17 +352,32 @@ def plan_paged_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor
     return _launch(programs, width, config, args)
 
 
-def plan_sparse_scores(problem, inputs: dict, config: dict):
-    """Scores [M, n_blocks * block] of each row's candidate positions (-inf where a row may not see them)."""
+def span_slots(config: dict) -> int:
+    """Candidate slots per program: tiles key tiles of block_n."""
+    return config["tiles"] * config["block_n"]
+
+
+def kept_per_span(problem, config: dict) -> int:
+    """Candidates a sparse program keeps of its span: min(top_k, span); the row's top_k are among them."""
+    return min(problem.top_k, span_slots(config))
+
+
+def plan_sparse_select(problem, inputs: dict, config: dict):
+    """Per row and span of candidate slots, the span's best kept_per_span candidates: (launch, scores, positions,
+    kept_end): scores and positions [M, spans x kept] in candidate order, scores -inf past each span's kept ones
+    (columns past kept_end [M] are not written: the merge reads a row up to its end)."""
     m, width = problem.rows, problem.candidates
-    scores = torch.empty(m, width, dtype=torch.float32, device=inputs["q"].device)
+    spans, keep = triton.cdiv(width, span_slots(config)), kept_per_span(problem, config)
+    scores = torch.empty(m, spans * keep, dtype=torch.float32, device=inputs["q"].device)
+    positions = torch.empty(m, spans * keep, dtype=torch.int32, device=inputs["q"].device)
+    kept_end = torch.zeros(m, dtype=torch.int32, device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
-                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=scores, ks_ptr=inputs["ks"],
-                ke_ptr=inputs["ke"], blocks_ptr=inputs["blocks"], stride_table=inputs["blocks"].stride(0),
-                rows=m, keys=problem.keys, width=width, **_query_strides(inputs, 1),
-                **_key_strides(inputs["k"], inputs["k_scale"]),
-                **_indexer_constexprs(problem.indexer, 1, SPARSE.value, problem.block, config))
-    return _launch(m, width, config, args), scores
+                k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=scores, positions_ptr=positions,
+                kept_end_ptr=kept_end, ks_ptr=inputs["ks"], ke_ptr=inputs["ke"], blocks_ptr=inputs["blocks"],
+                stride_table=inputs["blocks"].stride(0), rows=m, keys=problem.keys, width=width,
+                **_query_strides(inputs, 1), **_key_strides(inputs["k"], inputs["k_scale"]),
+                **_indexer_constexprs(problem.indexer, 1, SPARSE.value, problem.block, config, keep=keep))
+    return _launch(m, width, config, args), scores, positions, kept_end
 
 
 # ---------------------------------------------------------------- spaces and defaults
@@ -347,7 +416,7 @@ def _operand_bytes(indexer, rows: int, config: dict) -> int:
     return (config["block_n"] + _slots(indexer, rows)) * width
 
 
-def _space(params: dict, rows_of, constraints: dict | None = None) -> Space:
+def _space(params: dict, rows_of, constraints: dict | None = None, limits: dict | None = None) -> Space:
     """A space whose programs own rows_of(problem, config) query rows."""
     return Space(
         params={**params, "tiles": TILES, "num_warps": NUM_WARPS},
@@ -357,7 +426,7 @@ def _space(params: dict, rows_of, constraints: dict | None = None) -> Space:
         limits={"block_n x rows x heads / threads <= 128 (fp8) or 32 (mxfp4) (registers)":
                 lambda p, c: _values_per_thread(p.indexer, rows_of(p, c), c) <= VALUES_PER_THREAD[p.indexer.fmt],
                 "(block_n + rows x heads) x D (fp8) or x 32 (mxfp4) bytes <= 227 KiB (shared memory)":
-                lambda p, c: _operand_bytes(p.indexer, rows_of(p, c), c) <= SHARED_MEMORY},
+                lambda p, c: _operand_bytes(p.indexer, rows_of(p, c), c) <= SHARED_MEMORY, **(limits or {})},
     )
 
 
@@ -433,13 +502,22 @@ def paged_default(problem) -> dict:
             "tiles": _tiles(programs, problem.width, block_n)}
 
 
-SPARSE_SPACE = _space(WIDE_KEY_TILES, lambda p, c: 1)
+SPAN_KEYS_PER_THREAD = 32  # limit: a sparse program holds its span's order keys in registers
+
+
+SPARSE_SPACE = _space(WIDE_KEY_TILES, lambda p, c: 1, limits={
+    "tiles x block_n / threads <= 32 (registers: the span's keys)":
+    lambda p, c: span_slots(c) // (32 * c["num_warps"]) <= SPAN_KEYS_PER_THREAD})
 
 
 def sparse_default(problem) -> dict:
-    """A program per row; GPU: 8 warps, key tiles as wide as S's default values per thread allow."""
+    """A program per row and span of tiles key tiles; GPU: 8 warps, key tiles as wide as S's default values per
+    thread allow, spans of 4 tiles for fp8 (top_k 512 keeps half of 1024) and of one for MXFP4 (its decode makes
+    the scoring the larger part: fewer programs serve one row slower, 22.8 against 30.5 us modelled at 16384
+    candidates, and its 4-tile programs spill 312 B under Triton 3.6). Interpreter: a row in one span when it fits."""
     if flashkern.triton_interpreted():
         block_n = _interpreted_block_n(problem.candidates, 1024, _slots(problem.indexer, 1))
-        return {"block_n": block_n, "tiles": 64, "num_warps": 8}
-    block_n = _gpu_block_n(problem.indexer, 1)
-    return {"block_n": block_n, "num_warps": 8, "tiles": _tiles(problem.rows, problem.candidates, block_n)}
+        tiles = next((t for t in TILES if t * block_n >= problem.candidates), TILES[-1])
+        return {"block_n": block_n, "tiles": tiles, "num_warps": 8}
+    return {"block_n": _gpu_block_n(problem.indexer, 1), "num_warps": 8,
+            "tiles": 4 if problem.indexer.fmt == "fp8" else 1}

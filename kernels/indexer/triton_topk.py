@@ -50,15 +50,15 @@ RADIX_BINS = tl.constexpr(256)
 
 
 @triton.jit
-def _flip_negative(bits):
+def flip_negative(bits):
     """fp32 bit patterns <-> int32 keys in IEEE order (an involution: negative patterns flip their magnitude bits)."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _order_key(x, nan_key):
+def order_key(x, nan_key):
     """IEEE-ordered int32 key of each fp32 value; NaN gets `nan_key`."""
-    return tl.where(x == x, _flip_negative(x.to(tl.int32, bitcast=True)), nan_key)
+    return tl.where(x == x, flip_negative(x.to(tl.int32, bitcast=True)), nan_key)
 
 
 @triton.jit
@@ -69,7 +69,37 @@ def _tile_keys(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N
     x = tl.load(row_values[:, None] + col, mask=eligible, other=0.0).to(tl.float32)  # bf16 logits: exact in fp32
     if DROP_NEG_INF:
         eligible = eligible & (x > float("-inf"))  # false for NaN too
-    return col, _order_key(x, NAN_KEY), eligible
+    return col, order_key(x, NAN_KEY), eligible
+
+
+@triton.jit
+def _next_digit(histogram, found, quota, shift):
+    """One radix pass's result: histogram [BLOCK_M, 256] of the digit at `shift` among the keys whose higher digits
+    are `found`; scanning from the top bin, the bin holding the quota-th largest is the digit, and the quota drops by
+    the keys in the bins above it."""
+    at_or_above = tl.cumsum(histogram, 1, reverse=True)
+    digit = tl.sum((at_or_above >= quota[:, None]).to(tl.int32), axis=1) - 1
+    quota -= tl.sum(tl.where(tl.arange(0, RADIX_BINS)[None, :] > digit[:, None], histogram, 0), axis=1)
+    return found | (digit << shift), quota
+
+
+@triton.jit
+def select_in_registers(key, eligible, k):
+    """The top-k stage's rule on one row held in registers: key [C] int32 order keys, eligible [C]; returns take [C],
+    the min(k, eligible) largest eligible keys (ties to the lower index)."""
+    found = tl.zeros((1,), tl.int32)  # as the top-k stage: unsigned-order bits of the threshold, and its quota
+    quota = tl.minimum(tl.full((1,), k, tl.int32), tl.sum(eligible.to(tl.int32), axis=0))
+    radix = key ^ NAN_KEY
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        counted = eligible
+        if p > 0:
+            counted = counted & ((radix >> (shift + 8)) == (found >> (shift + 8)))
+        histogram = tl.histogram((radix >> shift) & 0xFF, RADIX_BINS, mask=counted)
+        found, quota = _next_digit(histogram[None, :], found, quota, shift)
+    threshold = found ^ NAN_KEY
+    tie = (eligible & (key == threshold)).to(tl.int32)
+    return (eligible & (key > threshold)) | ((tie != 0) & (tl.cumsum(tie, 0) - 1 < quota))
 
 
 @triton.jit
@@ -87,7 +117,6 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
         end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
     first_tile = tl.min(start) // BLOCK_N
     end_tile = tl.cdiv(tl.max(end), BLOCK_N)
-    bins = tl.arange(0, RADIX_BINS)[None, :]
     row_bins = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS  # each row histograms into its own 256 bins
 
     # 1. radix select: digits of the rank-th largest key, 8 bits at a time (in the key's unsigned
@@ -108,10 +137,7 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
             histogram += tl.reshape(counts, (BLOCK_M, RADIX_BINS))
         if p == 0:
             quota = tl.minimum(quota, tl.sum(histogram, axis=1))
-        at_or_above = tl.cumsum(histogram, 1, reverse=True)
-        digit = tl.sum((at_or_above >= quota[:, None]).to(tl.int32), axis=1) - 1
-        quota -= tl.sum(tl.where(bins > digit[:, None], histogram, 0), axis=1)
-        found = found | (digit << shift)
+        found, quota = _next_digit(histogram, found, quota, shift)
     threshold = (found ^ NAN_KEY)[:, None]
 
     # 2. gather in ascending column order
@@ -152,12 +178,12 @@ def rank_order_kernel(values_ptr, stride_row, chosen_ptr, out_ptr, k, BLOCK_I: t
     for i0 in range(0, k, BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         pos_i = tl.load(row_chosen + i, mask=i < k, other=-1)
-        key_i = _order_key(tl.load(row_values + pos_i, mask=pos_i >= 0, other=0.0).to(tl.float32), NAN_KEY)[:, None]
+        key_i = order_key(tl.load(row_values + pos_i, mask=pos_i >= 0, other=0.0).to(tl.float32), NAN_KEY)[:, None]
         rank = tl.zeros((BLOCK_I,), tl.int32)
         for j0 in range(0, k, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
             pos_j = tl.load(row_chosen + j, mask=j < k, other=-1)
-            key_j = _order_key(tl.load(row_values + pos_j, mask=pos_j >= 0, other=0.0).to(tl.float32), NAN_KEY)[None, :]
+            key_j = order_key(tl.load(row_values + pos_j, mask=pos_j >= 0, other=0.0).to(tl.float32), NAN_KEY)[None, :]
             ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
             rank += tl.sum((ahead & (pos_j >= 0)[None, :]).to(tl.int32), axis=1)
         tl.store(out_ptr + row * k + tl.where(pos_i >= 0, rank, i), pos_i, mask=i < k)
@@ -176,7 +202,7 @@ def block_max_kernel(logits_ptr, stride_row, width, row_end_ptr, scores_ptr, n_s
     x = tl.load(logits_ptr + row[:, None] * stride_row + position, mask=(slot < BLOCK) & (position < end[:, None]),
                 other=float("-inf")).to(tl.float32)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 as +0.0, as the reference's maximum
-    best = _flip_negative(tl.max(_order_key(x, NEG_INF_KEY), axis=1)).to(tl.float32, bitcast=True)
+    best = flip_negative(tl.max(order_key(x, NEG_INF_KEY), axis=1)).to(tl.float32, bitcast=True)
     best = tl.where((end > 0) & (block_id == (end - 1) // BLOCK), float("inf"), best)
     tl.store(scores_ptr + score, best, mask=score_ok)
 
