@@ -321,24 +321,26 @@ def _exact_tie_inputs(problem: SparseProblem) -> dict:
     return inputs
 
 
-def test_sparse_spans_in_the_gpus_default_config():
-    """Triton's GPU default splits a row's candidates into spans, each keeping its best top_k, and a second stage
-    merges a row's (the interpreter's default holds a row in one span): four spans, the last ragged, top_k below a
-    span. Random scores against the reference and oracle, then exact ties across spans, which only the tie rule
-    orders. (TileLang scores every candidate, then selects: its GPU and CPU paths are the same.)"""
-    op, backend = OPS["sparse_mqa_logits"], "triton"
+@pytest.mark.parametrize("backend", KERNELS)
+def test_sparse_spans_in_the_gpus_default_config(backend):
+    """The GPU's default splits a row's candidates into spans, each keeping its best top_k, and a second stage merges
+    a row's (Triton's interpreter default holds a row in one span): four spans, the last ragged, top_k below a span;
+    then spans of 64 slots, below top_k, which keep every slot in place. Random scores against the reference and
+    oracle, then exact ties across spans, which only the tie rule orders."""
+    op = OPS["sparse_mqa_logits"]
     problem = SparseProblem(4, 4000, 400, 8, 96)
     inputs = op.make_inputs(problem, DEVICE, seed=13)
     with flashkern.planning_for_gpu():
         config = op.implementation(backend).default_config(op.check(inputs))
     span = config["tiles"] * config["block_n"]
     assert problem.top_k < span < problem.candidates, config  # several spans, each dropping candidates
-    run_and_check(op, inputs, backend, config)
     tied = _exact_tie_inputs(problem)
-    actual = op.entry(**tied, backend=backend, config=config).cpu()
     expected = op.reference(**tied).cpu()
     assert (expected[:, -1] >= 0).all() and (torch.arange(4000)[expected[0]] % 37 != 0).any()  # ties decide
-    assert torch.equal(actual, expected)
+    in_place = {**config, "tiles": 1, "block_n": 64}  # spans below top_k keep every slot where it is
+    for config in (config, in_place):
+        run_and_check(op, inputs, backend, config)
+        assert torch.equal(op.entry(**tied, backend=backend, config=config).cpu(), expected), config
 
 
 # ---------------------------------------------------------------- the oracles catch wrong answers

@@ -553,29 +553,52 @@ SPARSE_PRESETS = {
 # ---------------------------------------------------------------- sparse: scoring stage, then the top-k stage
 
 
-def _sparse_topk_problem(problem: SparseProblem) -> TopkProblem:
-    return TopkProblem(0, problem.candidates, problem.top_k)  # the stage's config depends on the specialization only
+def _merge_problem(kept_width: int, problem: SparseProblem) -> TopkProblem:
+    """The top-k stage that merges a row's kept candidates (its config depends on their count and top_k only)."""
+    return TopkProblem(0, kept_width, problem.top_k)
+
+
+def _merge_map(problem: SparseProblem, inputs: dict, positions: torch.Tensor, selects: bool) -> tuple:
+    """(index map, its block) of the merge: the kept positions, or where spans keep every slot in place, the
+    candidate blocks themselves."""
+    return (positions, 1) if selects else (inputs["blocks"], problem.block)
 
 
 def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: torch.Tensor):
     """Each span's best candidates (scored and selected in registers), then the top-k stage merges a row's."""
-    select, scores, positions, kept_end = triton_logits.plan_sparse_select(problem, inputs, config)
-    merge = triton_topk.topk_launch(scores, kept_end, out, triton_topk.topk_default(TopkProblem(0, scores.shape[1],
-                                                                                               problem.top_k)),
-                                    drop_neg_inf=True, blocks=positions, block=1)
+    select, kept, positions, kept_end = triton_logits.plan_sparse_select(problem, inputs, config)
+    blocks, block = _merge_map(problem, inputs, positions, triton_logits.kept_per_span(problem, config)
+                               < triton_logits.span_slots(config))
+    merge_config = triton_topk.topk_default(_merge_problem(kept.shape[1], problem))
+    merge = triton_topk.topk_launch(kept, kept_end, out, merge_config, drop_neg_inf=True, ends_bound_walk=True,
+                                    blocks=blocks, block=block)
     return select, merge
 
 
+def _kept_width(problem: SparseProblem, config: dict) -> int:
+    return -(-problem.candidates // tilelang_logits.span_slots(config)) * tilelang_logits.kept_per_span(problem, config)
+
+
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
-    topk_config = tilelang_topk.topk_default(_sparse_topk_problem(problem))
-    return (tilelang_logits.sparse_scores_program(problem, config, fl),
-            tilelang_topk.topk_stage_program(topk_config, fl, drop_neg_inf=True, map_block=problem.block))
+    """Each span's best candidates (scored into and selected in shared memory), then the top-k stage merges a row's."""
+    merge_config = tilelang_topk.topk_default(_merge_problem(_kept_width(problem, config), problem))
+    _, block = _merge_map(problem, {"blocks": None}, None, _tilelang_selects(problem, config))
+    return (tilelang_logits.sparse_select_program(problem, config, fl),
+            tilelang_topk.topk_stage_program(merge_config, fl, drop_neg_inf=True, map_block=block))
+
+
+def _tilelang_selects(problem: SparseProblem, config: dict) -> bool:
+    return tilelang_logits.kept_per_span(problem, config) < tilelang_logits.span_slots(config)
 
 
 def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl, out: torch.Tensor):
-    score_args, scores = tilelang_logits.sparse_scores_args(problem, inputs, fl)
-    select_args = tilelang_topk.topk_stage_args(scores, None, out, fl, blocks=inputs["blocks"])
-    return None if select_args is None else (score_args, select_args)  # no keys: no scoring, all -1 selected
+    select_args, (kept, positions, kept_end) = tilelang_logits.sparse_select_args(problem, inputs, config, fl)
+    blocks, _ = _merge_map(problem, inputs, positions, _tilelang_selects(problem, config))
+    merge_args = tilelang_topk.topk_stage_args(kept, kept_end, out, fl, blocks=blocks)
+    if select_args is None:  # no keys: nothing scored, every row -1
+        out.fill_(-1)
+        return None
+    return select_args, merge_args
 
 
 # ---------------------------------------------------------------- entry points and records

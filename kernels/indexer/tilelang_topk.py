@@ -47,7 +47,7 @@ NEG_INF_KEY = -(2**31) + 0x7FFFFF  # key of -inf: bits 0xFF800000 with the low 3
 EQUAL_UNIT = 1 << 16  # packed tile counts: above + EQUAL_UNIT x equal, each below 2^15
 
 
-def _key(value):
+def order_key(value):
     """int32 key of a fp32 value: signed order = rank order, NaN lowest (told by its bits: `x == x` folds to true)."""
     bits = T.reinterpret(value, "int32")
     return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
@@ -75,6 +75,132 @@ def _values(fl: Flavour, bf16: bool):
     return (fl.bf16, fl.load_bf16) if bf16 else ("float32", lambda stored: stored)
 
 
+def dropping(drop_neg_inf: bool):
+    """eligible(key, also): `also`, and under drop_neg_inf not for keys of -inf and NaN."""
+    return (lambda key, also: (key > NEG_INF_KEY) & also) if drop_neg_inf else (lambda key, also: also)
+
+
+def mapping(map_block: int):
+    """mapped(blocks, m, n): the index emitted for position n of row m (the sparse path's block map when map_block)."""
+    return (lambda blocks, m, n: blocks[m, n // map_block] * map_block + n % map_block) if map_block else (
+        lambda blocks, m, n: n)
+
+
+def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, mapped):
+    """The top-k stage's two steps as macros over positions [start, end) of row m of a source Src, whose int32 key
+    at position n is key_at(Src, m, n) (eligible(key, also) and mapped(Blocks, m, n) as dropping and mapping):
+
+      select(Src, m, start, end, k, state): the radix select; state, an int32 [3] local buffer, receives
+          (thr, budget, valid): take the keys > thr and the first `budget` keys == thr, valid = min(#eligible, k);
+      gather(Src, m, start, end, k, state, Blocks, Dst, d): writes Dst[d, 0 .. k) = the taken positions (mapped)
+          in ascending order, then -1.
+    """
+    tile = threads * items
+    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+
+    @T.macro
+    def select(Src, m, start, end, k, state):
+        hist = fl.shared((BINS + 1,), "int32")  # digit counts (the last stays 0), then keys in the bins >= each
+        chosen = fl.shared((1,), "int32")  # the digit of the k-th largest key
+        tile_keys = fl.fragment((tile,), "int32")  # the keys of a tile's positions, each computed once
+        tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
+        wanted = T.alloc_var("int32", k)  # keys still to take inside the current prefix
+        prefix = T.alloc_var("int32", 0)  # digits fixed so far (sign-flipped key bits) ...
+        fixed = T.alloc_var("int32", 0)  # ... and the mask of those bits
+        valid = T.alloc_var("int32", k)  # output length: min(#eligible, k)
+        thr = T.alloc_var("int32", SIGN_BIT)
+        budget = T.alloc_var("int32", k)
+        searching = T.alloc_var("int32", 1)
+        digit = T.alloc_var("int32", 0)
+        below = T.alloc_var("int32", 0)  # keys in the bins above the chosen digit's
+        in_bin = T.alloc_var("int32", 0)  # keys in the chosen digit's bin
+        for p in T.serial(PASSES):
+            if searching == 1:
+                shift = 32 - RADIX_BITS * (p + 1)
+                for b in fl.parallel(BINS + 1):
+                    hist[b] = 0
+                for t in T.serial(tiles):
+                    for i in fl.parallel(tile):
+                        n = start + t * tile + i
+                        if n < end:
+                            tile_keys[i] = key_at(Src, m, n)
+                            if eligible(tile_keys[i], ((tile_keys[i] ^ SIGN_BIT) & fixed) == prefix):
+                                T.atomic_add(hist[((tile_keys[i] ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
+                suffix_sums(hist)
+                for b in fl.parallel(BINS):  # the one bin where the count from the top reaches `wanted`
+                    if (hist[b] >= wanted) & (hist[b + 1] < wanted):
+                        chosen[0] = b
+                if (p == 0) & (hist[0] <= k):  # at most k eligible keys: take them all
+                    valid = hist[0]
+                    searching = 0
+                else:
+                    digit = chosen[0]
+                    below = hist[digit + 1]
+                    in_bin = hist[digit] - below
+                    wanted = wanted - below
+                    prefix = prefix | (digit << shift)
+                    fixed = fixed | ((BINS - 1) << shift)
+                    if in_bin == wanted:  # the whole bin is taken: every key >= its lowest
+                        thr = (prefix ^ SIGN_BIT) - 1
+                        budget = 0
+                        searching = 0
+                    elif p == PASSES - 1:
+                        thr = prefix ^ SIGN_BIT
+                        budget = wanted
+                        searching = 0
+        state[0] = thr
+        state[1] = budget
+        state[2] = valid
+
+    @T.macro
+    def gather(Src, m, start, end, k, state, Blocks, Dst, d):
+        counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
+        mine = fl.fragment((threads,), "int32")  # a thread's packed count
+        above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
+        equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
+        thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
+        tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
+        for c0 in T.serial(T.ceildiv(k, threads)):
+            for th in fl.parallel(threads):
+                if (c0 * threads + th < k) & (c0 * threads + th >= state[2]):
+                    Dst[d, c0 * threads + th] = -1
+        above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
+        equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
+        for t in T.serial(tiles):
+            if above + T.min(equal, state[1]) < state[2]:
+                for th in fl.parallel(threads):
+                    mine[th] = 0
+                    for j in T.serial(items):
+                        n = start + t * tile + th * items + j
+                        if n < end:
+                            thread_key[th] = key_at(Src, m, n)
+                            if eligible(thread_key[th], thread_key[th] > state[0]):
+                                mine[th] = mine[th] + 1
+                            elif eligible(thread_key[th], thread_key[th] == state[0]):
+                                mine[th] = mine[th] + EQUAL_UNIT
+                    counts[th] = mine[th]
+                prefix_sums(counts)
+                for th in fl.parallel(threads):
+                    above_at[th] = above + (counts[th] - mine[th]) % EQUAL_UNIT
+                    equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
+                    for j in T.serial(items):
+                        n = start + t * tile + th * items + j
+                        if n < end:
+                            thread_key[th] = key_at(Src, m, n)
+                            if eligible(thread_key[th], thread_key[th] > state[0]):
+                                Dst[d, above_at[th] + T.min(equal_at[th], state[1])] = mapped(Blocks, m, n)
+                                above_at[th] = above_at[th] + 1
+                            elif eligible(thread_key[th], thread_key[th] == state[0]):
+                                if equal_at[th] < state[1]:
+                                    Dst[d, above_at[th] + equal_at[th]] = mapped(Blocks, m, n)
+                                equal_at[th] = equal_at[th] + 1
+                above = above + counts[threads - 1] % EQUAL_UNIT
+                equal = equal + counts[threads - 1] // EQUAL_UNIT
+
+    return select, gather
+
+
 def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, drop_neg_inf: bool = False,
                        map_block: int = 0, bf16: bool = False):
     """Top-k of values [M, W] (fp32, or bf16 with bf16) over [starts, ends) per row -> out int32 [M, k] (see the
@@ -82,20 +208,11 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
 
     k is dynamic like the sizes: one compiled kernel serves every k (k = 512 and 2048 alike).
     """
-    threads, items = config["threads"], config["items"]
-    tile = threads * items
     rows, width, mapped_blocks, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("NB"), T.dynamic("K")
-    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
-    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
     dtype, value = _values(fl, bf16)
-
-    def eligible(key, also):
-        """`also` for an eligible key: keys of -inf and NaN are not eligible under drop_neg_inf."""
-        return (key > NEG_INF_KEY) & also if drop_neg_inf else also
-
-    def mapped(blocks, m, n):
-        """The index emitted for position n of row m."""
-        return blocks[m, n // map_block] * map_block + n % map_block if map_block else n
+    select, gather = selection_macros(fl, config["threads"], config["items"],
+                                      lambda values, m, n: order_key(value(values[m, n])), dropping(drop_neg_inf),
+                                      mapping(map_block))
 
     @T.prim_func
     def topk_stage(
@@ -105,104 +222,13 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
         Blocks: row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32"),
         Out: T.Tensor((rows, k), "int32"),
     ):
-        with T.Kernel(rows, threads=threads) as m:
-            hist = fl.shared((BINS + 1,), "int32")  # digit counts (the last stays 0), then keys in the bins >= each
-            chosen = fl.shared((1,), "int32")  # the digit of the k-th largest key
-            counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
-            mine = fl.fragment((threads,), "int32")  # a thread's packed count
-            above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
-            equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
-            tile_keys = fl.fragment((tile,), "int32")  # the keys of a tile's positions, each computed once
-            thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
-
+        with T.Kernel(rows, threads=config["threads"]) as m:
+            state = T.alloc_local((3,), "int32")  # thr, budget, valid
             # any int32 starts / ends: the row's positions are [max(start, 0), min(end, W)), empty when start >= end
             start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
             end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
-            tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
-            wanted = T.alloc_var("int32", k)  # keys still to take inside the current prefix
-            prefix = T.alloc_var("int32", 0)  # digits fixed so far (sign-flipped key bits) ...
-            fixed = T.alloc_var("int32", 0)  # ... and the mask of those bits
-            valid = T.alloc_var("int32", k)  # output length: min(#eligible, k)
-            thr = T.alloc_var("int32", SIGN_BIT)
-            budget = T.alloc_var("int32", k)
-            searching = T.alloc_var("int32", 1)
-            digit = T.alloc_var("int32", 0)
-            below = T.alloc_var("int32", 0)  # keys in the bins above the chosen digit's
-            in_bin = T.alloc_var("int32", 0)  # keys in the chosen digit's bin
-
-            # 1. radix select
-            for p in T.serial(PASSES):
-                if searching == 1:
-                    shift = 32 - RADIX_BITS * (p + 1)
-                    for b in fl.parallel(BINS + 1):
-                        hist[b] = 0
-                    for t in T.serial(tiles):
-                        for i in fl.parallel(tile):
-                            n = start + t * tile + i
-                            if n < end:
-                                tile_keys[i] = _key(value(Values[m, n]))
-                                if eligible(tile_keys[i], ((tile_keys[i] ^ SIGN_BIT) & fixed) == prefix):
-                                    T.atomic_add(hist[((tile_keys[i] ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
-                    suffix_sums(hist)
-                    for b in fl.parallel(BINS):  # the one bin where the count from the top reaches `wanted`
-                        if (hist[b] >= wanted) & (hist[b + 1] < wanted):
-                            chosen[0] = b
-                    if (p == 0) & (hist[0] <= k):  # at most k eligible keys: take them all
-                        valid = hist[0]
-                        searching = 0
-                    else:
-                        digit = chosen[0]
-                        below = hist[digit + 1]
-                        in_bin = hist[digit] - below
-                        wanted = wanted - below
-                        prefix = prefix | (digit << shift)
-                        fixed = fixed | ((BINS - 1) << shift)
-                        if in_bin == wanted:  # the whole bin is taken: every key >= its lowest
-                            thr = (prefix ^ SIGN_BIT) - 1
-                            budget = 0
-                            searching = 0
-                        elif p == PASSES - 1:
-                            thr = prefix ^ SIGN_BIT
-                            budget = wanted
-                            searching = 0
-
-            # 2. gather in ascending tiles
-            for c0 in T.serial(T.ceildiv(k, threads)):
-                for th in fl.parallel(threads):
-                    if (c0 * threads + th < k) & (c0 * threads + th >= valid):
-                        Out[m, c0 * threads + th] = -1
-            above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
-            equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
-            for t in T.serial(tiles):
-                if above + T.min(equal, budget) < valid:
-                    for th in fl.parallel(threads):
-                        mine[th] = 0
-                        for j in T.serial(items):
-                            n = start + t * tile + th * items + j
-                            if n < end:
-                                thread_key[th] = _key(value(Values[m, n]))
-                                if eligible(thread_key[th], thread_key[th] > thr):
-                                    mine[th] = mine[th] + 1
-                                elif eligible(thread_key[th], thread_key[th] == thr):
-                                    mine[th] = mine[th] + EQUAL_UNIT
-                        counts[th] = mine[th]
-                    prefix_sums(counts)
-                    for th in fl.parallel(threads):
-                        above_at[th] = above + (counts[th] - mine[th]) % EQUAL_UNIT
-                        equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
-                        for j in T.serial(items):
-                            n = start + t * tile + th * items + j
-                            if n < end:
-                                thread_key[th] = _key(value(Values[m, n]))
-                                if eligible(thread_key[th], thread_key[th] > thr):
-                                    Out[m, above_at[th] + T.min(equal_at[th], budget)] = mapped(Blocks, m, n)
-                                    above_at[th] = above_at[th] + 1
-                                elif eligible(thread_key[th], thread_key[th] == thr):
-                                    if equal_at[th] < budget:
-                                        Out[m, above_at[th] + equal_at[th]] = mapped(Blocks, m, n)
-                                    equal_at[th] = equal_at[th] + 1
-                    above = above + counts[threads - 1] % EQUAL_UNIT
-                    equal = equal + counts[threads - 1] // EQUAL_UNIT
+            select(Values, m, start, end, k, state)  # 1. radix select
+            gather(Values, m, start, end, k, state, Blocks, Out, m)  # 2. gather in ascending tiles
 
     return topk_stage
 
@@ -245,7 +271,7 @@ def rank_order_program(config: dict, fl: Flavour, *, bf16: bool = False):
     def key_of(Values, Chosen, m, j):
         """The key of chosen entry j, or the lowest key (never counted ahead of a valid entry) past the valid ones."""
         position = Chosen[m, T.min(j, k - 1)]
-        return T.if_then_else((j < k) & (position >= 0), _key(value(Values[m, T.max(position, 0)])), SIGN_BIT)
+        return T.if_then_else((j < k) & (position >= 0), order_key(value(Values[m, T.max(position, 0)])), SIGN_BIT)
 
     @T.prim_func
     def rank_order(

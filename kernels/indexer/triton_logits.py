@@ -249,19 +249,21 @@ def _listed_tiles(span, span_end, group, keys, width, blocks_ptr, stride_table, 
 def _keep_best(span_keys, span, group, keys, width, blocks_ptr, stride_table, scores_ptr, positions_ptr,
                BLOCK: tl.constexpr, KEEP: tl.constexpr, KEEP_PAD: tl.constexpr):
     """The span's KEEP best candidates by the top-k rule (-inf and NaN not eligible), in candidate order, into its
-    KEEP slots of the row's survivors: scores (then -inf) and absolute positions. The row's top-k is among them."""
+    KEEP slots of the row's kept columns: scores (then -inf) and absolute positions; the row's top-k is among them.
+    A span that keeps all its slots stores every score in place (NaN keys as NaN: not eligible in the merge)."""
     key = tl.reshape(span_keys, (span_keys.shape[0] * span_keys.shape[1],))  # tile-major: candidate order
-    take = key > NEG_INF_KEY  # -inf and NaN are not eligible
-    if KEEP < key.shape[0]:  # else the span keeps all its eligible candidates
-        take = select_in_registers(key, take, KEEP)
-    slot = tl.cumsum(take.to(tl.int32), 0) - 1
-    position, _ = _key_positions(span + tl.arange(0, key.shape[0]), group, keys, width, blocks_ptr, stride_table,
-                                 SPARSE, BLOCK)
     base = group.to(tl.int64) * (tl.num_programs(1) * KEEP) + tl.program_id(1) * KEEP
-    tl.store(scores_ptr + base + slot, flip_negative(key).to(tl.float32, bitcast=True), mask=take)
-    tl.store(positions_ptr + base + slot, position, mask=take)
-    pad = tl.arange(0, KEEP_PAD)
-    tl.store(scores_ptr + base + pad, float("-inf"), mask=(pad >= tl.sum(take.to(tl.int32), axis=0)) & (pad < KEEP))
+    if KEEP < key.shape[0]:
+        take = select_in_registers(key, key > NEG_INF_KEY, KEEP)  # -inf and NaN are not eligible
+        slot = tl.cumsum(take.to(tl.int32), 0) - 1
+        position, _ = _key_positions(span + tl.arange(0, key.shape[0]), group, keys, width, blocks_ptr,
+                                     stride_table, SPARSE, BLOCK)
+        tl.store(scores_ptr + base + slot, flip_negative(key).to(tl.float32, bitcast=True), mask=take)
+        tl.store(positions_ptr + base + slot, position, mask=take)
+        pad = tl.arange(0, KEEP_PAD)
+        tl.store(scores_ptr + base + pad, float("-inf"), mask=(pad >= tl.sum(take.to(tl.int32), axis=0)) & (pad < KEEP))
+    else:  # the span keeps every slot in place (column = slot; the merge maps it through the candidate blocks)
+        tl.store(scores_ptr + base + tl.arange(0, key.shape[0]), flip_negative(key).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -369,7 +371,8 @@ def plan_sparse_select(problem, inputs: dict, config: dict):
     m, width = problem.rows, problem.candidates
     spans, keep = triton.cdiv(width, span_slots(config)), kept_per_span(problem, config)
     scores = torch.empty(m, spans * keep, dtype=torch.float32, device=inputs["q"].device)
-    positions = torch.empty(m, spans * keep, dtype=torch.int32, device=inputs["q"].device)
+    positions = (torch.empty(m, spans * keep, dtype=torch.int32, device=inputs["q"].device) if keep < span_slots(config)
+                 else None)  # spans that keep every slot keep them in place: the merge maps through the blocks
     kept_end = torch.zeros(m, dtype=torch.int32, device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
                 k_ptr=inputs["k"], k_scale_ptr=inputs["k_scale"], out_ptr=scores, positions_ptr=positions,

@@ -104,7 +104,8 @@ def select_in_registers(key, eligible, k):
 
 @triton.jit
 def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, blocks_ptr, stride_blocks, out_ptr, k,
-                DROP_NEG_INF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                DROP_NEG_INF: tl.constexpr, ENDS_BOUND_WALK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = row < rows
     row = row.to(tl.int64)
@@ -113,10 +114,13 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
     if starts_ptr is not None:  # any int32: the row's columns are [max(start, 0), min(end, width))
         start = tl.maximum(tl.load(starts_ptr + row, mask=row_ok, other=0), 0)
     end = tl.where(row_ok, width, 0)
+    walk_end = end
     if ends_ptr is not None:
-        end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
+        walk_end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
+        if not ENDS_BOUND_WALK:  # (else columns past the ends hold no eligible value: the masks stay uniform)
+            end = walk_end
     first_tile = tl.min(start) // BLOCK_N
-    end_tile = tl.cdiv(tl.max(end), BLOCK_N)
+    end_tile = tl.cdiv(tl.max(walk_end), BLOCK_N)
     row_bins = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS  # each row histograms into its own 256 bins
 
     # 1. radix select: digits of the rank-th largest key, 8 bits at a time (in the key's unsigned
@@ -210,12 +214,14 @@ def block_max_kernel(logits_ptr, stride_row, width, row_end_ptr, scores_ptr, n_s
 # ---------------------------------------------------------------- plans
 
 
-def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, blocks=None, block=1) -> Launch:
+def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, ends_bound_walk=False, blocks=None,
+                block=1) -> Launch:
     """The top-k stage over values [M, W] (fp32 or bf16, row-strided) into out int32 [M, k]: ascending positions.
 
     ends/starts [M] int32 (any values: clamped to [0, W]) or None (the whole row); drop_neg_inf: -inf and NaN are not
-    eligible; blocks [M, W // block] int32 (row-strided) or None: emitted column c becomes
-    blocks[m, c // block] * block + c % block.
+    eligible; ends_bound_walk: ends only bound the tiles walked, the columns past them holding no eligible value
+    (masks then stay uniform over a row's width, so that loads vectorize); blocks [M, W // block] int32
+    (row-strided) or None: emitted column c becomes blocks[m, c // block] * block + c % block.
     """
     rows, width = values.shape
     k = out.shape[1]
@@ -223,8 +229,8 @@ def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, b
         topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
         args=dict(values_ptr=values, stride_row=values.stride(0), rows=rows, width=width, starts_ptr=starts,
                   ends_ptr=ends, blocks_ptr=blocks, stride_blocks=0 if blocks is None else blocks.stride(0),
-                  out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf, BLOCK=block, BLOCK_M=config["block_m"],
-                  BLOCK_N=config["block_n"]),
+                  out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf, ENDS_BOUND_WALK=ends_bound_walk, BLOCK=block,
+                  BLOCK_M=config["block_m"], BLOCK_N=config["block_n"]),
         num_warps=config["num_warps"],
     )
 
