@@ -1,0 +1,95 @@
+"""Designs side by side: each backend's earlier or alternative design against its current default, at the v41-flash
+shapes. Each config is checked against the reference before it is timed; on a CPU the interpreted Triton is checked
+only (--time-interpreted to time it).
+
+  sparse_decode_attention: 16-head groups (every record gathered and decoded by each group of a token) against the
+      default (a token's 64 heads in one CTA where the backend's builds allow it), T = 1 to 4096;
+  sparse_mqa_logits: Triton's earlier form (every candidate's score kept, one top-k over the row's 16384) against
+      spans that keep their best top_k; TileLang's 8-tile spans against its default (a tile per span).
+
+Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits] [--tokens 1,8,64,4096]
+     [--budget 0.2] [--json out.json]
+"""
+
+import argparse
+import json
+
+import torch
+
+from flashkern import device as devices
+from flashkern import registry
+from flashkern.autotune.timing import measure
+from flashkern.kernels.kv_cache import V41_HEADS, V41_TOPK, V41_WINDOW, AttentionProblem
+
+DESIGNS = {  # operator -> backend -> (design name, config): each is timed beside the backend's default
+    "sparse_decode_attention": {
+        "triton": ("16-head groups", {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8,
+                                      "num_stages": 2}),
+        "tilelang": ("16-head groups", {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}),
+    },
+    "sparse_mqa_logits": {
+        "triton": ("every candidate kept", {"block_n": 256, "tiles": 1, "num_warps": 8}),
+        "tilelang": ("8-tile spans", {"block_n": 128, "tiles": 8, "threads": 128}),
+    },
+}
+
+
+def problems(op_name: str, tokens: list[int]) -> list:
+    if op_name == "sparse_decode_attention":
+        return [AttentionProblem(t, V41_TOPK, V41_WINDOW, V41_HEADS, swa=True, sink=True) for t in tokens]
+    return list(registry.get(op_name).presets["v41-flash"])
+
+
+def rows(op_names, tokens, budget: float, device: torch.device, time_interpreted: bool):
+    info = devices.info(device)
+    for op_name in op_names:
+        op = registry.get(op_name)
+        for problem in problems(op_name, tokens):
+            inputs = op.make_inputs(problem, device, seed=0)
+            expected = op.reference(**inputs)
+            for impl in op.implementations:
+                reason = impl.unavailable(info)
+                for design, config in (DESIGNS[op_name][impl.name], ("default", impl.default_config(problem))):
+                    row = dict(op=op_name, problem=problem.key, backend=impl.name, design=design, config=config)
+                    if reason:
+                        yield dict(row, status=f"unavailable: {reason}")
+                        continue
+                    try:
+                        op.compare(inputs, expected, op.result_of(dict(inputs), backend=impl.name, config=config))
+                    except AssertionError as exc:
+                        yield dict(row, status=f"MISMATCH: {str(exc).splitlines()[0]}")
+                        continue
+                    if impl.name == "triton" and device.type == "cpu" and not time_interpreted:
+                        yield dict(row, status="checked")
+                        continue
+                    out = op.empty_outputs(problem, inputs)
+                    timing = measure(lambda: impl.run(problem, inputs, config, out), device, budget=budget)
+                    yield dict(row, status="ok", median_s=timing.median, iqr_s=timing.iqr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(DESIGNS), help="comma-separated operators")
+    parser.add_argument("--tokens", default="1,8,64,4096", help="sparse_decode_attention's token counts")
+    parser.add_argument("--budget", type=float, default=0.2, help="seconds of timing per config")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--time-interpreted", action="store_true", help="time Triton's interpreter on a CPU too")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"{devices.info(device).describe()}\n\n| operator | problem | backend | design | median | IQR | status |\n"
+          "|---|---|---|---|---:|---:|---|")
+    found = []
+    for row in rows(args.ops.split(","), [int(t) for t in args.tokens.split(",")], args.budget, device,
+                    args.time_interpreted):
+        found.append(row)
+        timed = (f"{row['median_s'] * 1e6:.1f} us | {row['iqr_s'] * 1e6:.1f} us" if "median_s" in row else " | ")
+        print(f"| {row['op']} | {row['problem']} | {row['backend']} | {row['design']} | {timed} | {row['status']} |",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
