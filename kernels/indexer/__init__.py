@@ -558,17 +558,16 @@ def _merge_problem(kept_width: int, problem: SparseProblem) -> TopkProblem:
     return TopkProblem(0, kept_width, problem.top_k)
 
 
-def _merge_map(problem: SparseProblem, inputs: dict, positions: torch.Tensor, selects: bool) -> tuple:
-    """(index map, its block) of the merge: the kept positions, or where spans keep every slot in place, the
+def _merge_map(problem: SparseProblem, inputs: dict, positions: torch.Tensor | None) -> tuple:
+    """(index map, its block) of the merge: the kept positions, or (None: spans keep every slot in place) the
     candidate blocks themselves."""
-    return (positions, 1) if selects else (inputs["blocks"], problem.block)
+    return (inputs["blocks"], problem.block) if positions is None else (positions, 1)
 
 
 def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: torch.Tensor):
     """Each span's best candidates (scored and selected in registers), then the top-k stage merges a row's."""
     select, kept, positions, kept_end = triton_logits.plan_sparse_select(problem, inputs, config)
-    blocks, block = _merge_map(problem, inputs, positions, triton_logits.kept_per_span(problem, config)
-                               < triton_logits.span_slots(config))
+    blocks, block = _merge_map(problem, inputs, positions)
     merge_config = triton_topk.topk_default(_merge_problem(kept.shape[1], problem))
     merge = triton_topk.topk_launch(kept, kept_end, out, merge_config, drop_neg_inf=True, ends_bound_walk=True,
                                     blocks=blocks, block=block)
@@ -582,18 +581,15 @@ def _kept_width(problem: SparseProblem, config: dict) -> int:
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
     """Each span's best candidates (scored into and selected in shared memory), then the top-k stage merges a row's."""
     merge_config = tilelang_topk.topk_default(_merge_problem(_kept_width(problem, config), problem))
-    _, block = _merge_map(problem, {"blocks": None}, None, _tilelang_selects(problem, config))
+    in_place = tilelang_logits.kept_per_span(problem, config) == tilelang_logits.span_slots(config)
     return (tilelang_logits.sparse_select_program(problem, config, fl),
-            tilelang_topk.topk_stage_program(merge_config, fl, drop_neg_inf=True, map_block=block))
-
-
-def _tilelang_selects(problem: SparseProblem, config: dict) -> bool:
-    return tilelang_logits.kept_per_span(problem, config) < tilelang_logits.span_slots(config)
+            tilelang_topk.topk_stage_program(merge_config, fl, drop_neg_inf=True,
+                                             map_block=problem.block if in_place else 1))
 
 
 def sparse_args_tilelang(problem: SparseProblem, inputs: dict, config: dict, fl, out: torch.Tensor):
     select_args, (kept, positions, kept_end) = tilelang_logits.sparse_select_args(problem, inputs, config, fl)
-    blocks, _ = _merge_map(problem, inputs, positions, _tilelang_selects(problem, config))
+    blocks, _ = _merge_map(problem, inputs, positions)
     merge_args = tilelang_topk.topk_stage_args(kept, kept_end, out, fl, blocks=blocks)
     if select_args is None:  # no keys: nothing scored, every row -1
         out.fill_(-1)

@@ -436,20 +436,20 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour):
 
 
 def sparse_select_args(problem: SparseProblem, inputs: dict, config: dict, fl: Flavour):
-    """(arguments of the span stage, or None when it has nothing to launch, and the kept scores, positions (a
-    placeholder when spans keep all their slots) and ends it fills)."""
+    """(arguments of the span stage, or None when it has nothing to launch, and the kept scores, positions (None
+    when spans keep all their slots in place) and ends it fills)."""
     q, k, blocks = inputs["q"], inputs["k"], inputs["blocks"]
     st = _Storage(problem.indexer, fl)
     spans = -(-problem.candidates // span_slots(config))
     kept = torch.empty((q.shape[0], spans * kept_per_span(problem, config)), dtype=torch.float32, device=q.device)
     selects = kept_per_span(problem, config) < span_slots(config)
-    positions = torch.empty(kept.shape if selects else (1, 1), dtype=torch.int32, device=q.device)
+    positions = torch.empty(kept.shape if selects else (1, 1), dtype=torch.int32, device=q.device)  # (placeholder)
     ends = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-    outputs = kept, positions, ends
+    outputs = kept, positions if selects else None, ends
     if kept.numel() == 0 or k.shape[0] == 0:  # no keys: no candidate position exists (ends 0: nothing to merge)
         return None, outputs
     return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 1, q.device), _data_arg(k, st), inputs["k_scale"],
-            inputs["w"], inputs["ks"], inputs["ke"], blocks, *outputs], outputs
+            inputs["w"], inputs["ks"], inputs["ke"], blocks, kept, positions, ends], outputs
 
 
 # ---------------------------------------------------------------- tuning spaces

@@ -20,10 +20,10 @@ put while it walks the span one key tile at a time:
   4. relu (NaN kept), times w, summed over heads -> [BLOCK_N, ROWS], times k_scale (fp8), -inf
      masked, stored as fp32 or rounded to nearest-even bf16;
   5. sparse form: no logits are stored. The span's scores stay in registers as order keys; a radix
-     select there keeps its best min(top_k, span) (the top-k rule) in candidate order, with their
-     positions, and the row's kept end goes up by an atomic max; the top-k stage then merges the row's
-     kept columns (the row's top_k are among them). Tiles past a span's last listed candidate are not
-     scored, so the work follows the listed candidates.
+     select there keeps its best top_k (the top-k rule) in candidate order, with their positions (a span
+     of at most top_k slots keeps them all in place), and the row's kept end goes up by an atomic max;
+     the top-k stage then merges the row's kept columns (the row's top_k are among them). Tiles past a
+     span's last listed candidate are not scored, so the work follows the listed candidates.
 Index values are never trusted: any int32 in ks, ke, context lengths, block tables or candidate lists addresses
 nothing outside its tensor (keys are read only at columns in [0, width), through table entries and candidate ids
 checked against the cache's blocks and the key count), and what it points at scores -inf (reference/indexer.py).
