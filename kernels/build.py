@@ -27,6 +27,9 @@ from flashkern.kernels import sass
 _MMA_TYPES = (("e4m3", "fp8"), ("e5m2", "fp8"), ("bf16", "bf16"), ("f16", "fp16"), ("tf32", "tf32"), ("s8", "int8"))
 _TENSOR_CORE = re.compile(r"^\s*(?:@\S+\s+)?(wgmma\.mma_async|mma\.sync)\S*", re.M)
 _GLOBAL = re.compile(r"^\s*(?:@\S+\s+)?(ld|st)\.global\S*", re.M)
+# an atomic's state space: "shared" (.shared, .shared::cta, .shared::cluster), "global", or "" (generic: no space,
+# as `atom.acq_rel.gpu.add.s32`, which our kernels only aim at global memory)
+_ATOMIC_SPACE = re.compile(r"(?<![\w.%$])(?:atom|red)(?=\.)(?:\.(?!global|shared)[\w:]+)*(?:\.(global|shared))?")
 _WIDTH = re.compile(r"\.v(\d)|\.[busf](\d+)\b")
 
 
@@ -53,7 +56,7 @@ class Census:
     global_loads: int = 0
     widest_load: int = 0  # bytes per thread of the widest global load (16: 128-bit vectors)
     global_stores: int = 0
-    global_atomics: int = 0  # atom.global / red.global
+    global_atomics: int = 0  # atom / red on global or generic addresses (atom.global.add, atom.acq_rel.gpu.add)
     shared_atomics: int = 0
     barriers: int = 0  # bar.sync / barrier.sync and mbarrier operations
 
@@ -71,8 +74,8 @@ class Census:
             cp_async=len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)), tma=len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
             global_loads=len(loads), widest_load=max(map(_access_bytes, loads), default=0),
             global_stores=sum(1 for m in _GLOBAL.finditer(ptx) if m.group(1) == "st"),
-            global_atomics=len(re.findall(r"\b(?:atom|red)\.global", ptx)),
-            shared_atomics=len(re.findall(r"\b(?:atom|red)\.shared", ptx)),
+            global_atomics=sum(1 for space in _ATOMIC_SPACE.findall(ptx) if space != "shared"),
+            shared_atomics=sum(1 for space in _ATOMIC_SPACE.findall(ptx) if space == "shared"),
             barriers=len(re.findall(r"\b(?:bar\.sync|barrier\.sync|bar\.arrive|mbarrier\.)", ptx)),
         )
 

@@ -55,14 +55,15 @@ PTX = textwrap.dedent("""
     wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%f2}, %rd6, %rd7, 1, 1, 1;
     st.global.v2.f32 [%rd8], {%f3, %f4};
     atom.global.add.f32 %f5, [%rd9], %f6;
-    red.shared.add.u32 [%r10], 1;
+    @%p3 atom.acq_rel.gpu.add.s32 %r11, [%rd10], 1;
+    red.shared::cta.add.u32 [%r10], 1;
     bar.sync 0;
 """)
 
 
 def test_census_reads_ptx():
     assert Census.of(PTX) == Census(wgmma=2, mma_sync=0, mma_input="fp8", cp_async=0, tma=1, global_loads=2,
-                                    widest_load=16, global_stores=1, global_atomics=1, shared_atomics=1, barriers=2)
+                                    widest_load=16, global_stores=1, global_atomics=2, shared_atomics=1, barriers=2)
     assert Census.of("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};").mma_input == "bf16"
     assert Census.of("add.f32 %f1, %f2, %f3;") == Census()
 
