@@ -341,8 +341,9 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> t
     more per entry, when the loop ends), else from a CUDA C header's bounds evaluated with `sizes` (name ->
     value: `for (int k = 0; k < ((N + 63) >> 6); ++k)`). A loop entered e times per CTA (its parent's trips, 1 at
     the top level) that ran h header executions made h - e trips; loops that share a header share its trips. A
-    loop with neither (no line info, bounds that read other variables) is counted as one trip per entry, and is not
-    known."""
+    loop with neither whose bound reads data but is clamped by a side the sizes give (`for_bound`) takes that
+    side's trips, an upper bound; any other (no line info, bounds that read other variables) is counted as one
+    trip per entry. Neither is known."""
     found: list[float] = []
     known: list[bool] = []
     sharing: dict = {}
@@ -353,7 +354,8 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> t
         executions = header_executions(loop.header, header_counts)
         if executions is None:
             extent = for_extent(loop.header_text, sizes or {})
-            found.append(entries * (1 if extent is None else extent))
+            bound = for_bound(loop.header_text, sizes or {}) if extent is None else extent
+            found.append(entries * (1 if bound is None else bound))
             known.append(extent is not None)
         else:
             share = executions / sharing[loop.header]
@@ -417,6 +419,60 @@ def for_extent(header: str, sizes: dict) -> float | None:
     return float(grid.mean())
 
 
+def for_bound(header: str, sizes: dict) -> float | None:
+    """The most trips per entry of a `for (int v = 0; v < min(A, B); ++v)` header whose bound reads data but is
+    clamped by a side that `for_extent` evaluates (TileLang's pipelined loop over the tiles that meet some row's
+    range, at most the block's tiles); None for any other form. An upper bound, as the traffic count takes it."""
+    m = _FOR.match(header)
+    if m is None or m.group("start").strip() != "0" or m.group("step"):
+        return None
+    end = _CAST.sub("", m.group("end")).strip()
+    while end.startswith("(") and _closing(end, 0) == len(end) - 1:
+        end = end[1:-1].strip()
+    if not end.startswith("min("):
+        return None
+    depth, comma = 0, None
+    for i, ch in enumerate(end[4:-1], 4):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            comma = i
+    if comma is None or _closing(end, 3) != len(end) - 1:
+        return None
+    sides = (for_extent(f"for (int {m.group('var')} = 0; {m.group('var')} < {side.strip()}; ++{m.group('var')})",
+                        sizes) for side in (end[4:comma], end[comma + 1:-1]))
+    known = [side for side in sides if side is not None]
+    return min(known) if known else None
+
+
+def _closing(text: str, opening: int) -> int:
+    """Index of the parenthesis closing the one at `opening`."""
+    depth = 0
+    for i in range(opening, len(text)):
+        depth += text[i] == "("
+        depth -= text[i] == ")"
+        if depth == 0:
+            return i
+    return -1
+
+
+_LOCAL = re.compile(r"^\s*(?:const\s+)?int\s+(?P<name>\w+)\s*=\s*(?P<value>.+);\s*$")
+
+
+def with_locals(header: str, before: list[str]) -> str:
+    """A loop header whose bound is a local `int` named alone (`i < count`) with that local's value written in,
+    from its nearest definition among the lines `before` it (TileLang's CUDA C names a pipelined loop's extent)."""
+    m = _FOR.match(header)
+    if m is None or not re.fullmatch(r"[A-Za-z_]\w*", m.group("end").strip()):
+        return header
+    name = m.group("end").strip()
+    for line in reversed(before):
+        local = _LOCAL.match(line)
+        if local and local.group("name") == name:
+            return header.replace(f"< {name};", f"< ({local.group('value')});", 1)
+    return header
+
+
 @functools.cache
 def nvdisasm_path() -> str:
     """The nvdisasm Triton's NVIDIA backend ships (it runs without a GPU), else one on PATH."""
@@ -464,7 +520,9 @@ def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profil
 
     def text_of(header):
         source = lines.get(header[0]) if header else None
-        return source[header[1] - 1].strip() if source and 0 < header[1] <= len(source) else ""
+        if not source or not 0 < header[1] <= len(source):
+            return ""
+        return with_locals(source[header[1] - 1].strip(), source[:header[1] - 1])
 
     return dataclasses.replace(counted, loops=tuple(dataclasses.replace(loop, header_text=text_of(loop.header))
                                                     for loop in counted.loops))

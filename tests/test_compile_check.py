@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -194,14 +195,15 @@ def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monke
 
 @pytest.mark.parametrize("target, simplified", [("c", False), ("cuda", True)])
 def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, simplified):
-    """kernels._tilelang skips the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large
-    share of a C compile, folded by the C compiler anyway) and keeps it for CUDA, whose source GPU users get."""
+    """Our C compiles skip the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large
+    share of a C compile, folded by the C compiler anyway) and keep it for CUDA, whose source GPU users get; the
+    skip lasts only while our compile runs."""
     import tilelang.language as T
     from tvm import IRModule, transform
     from tvm.ir.instrument import pass_instrument
     from tvm.target import Target
 
-    import flashkern.kernels._tilelang  # noqa: F401  (installs the skip)
+    from flashkern.kernels._tilelang import _c_codegen_without_simplify
 
     @T.prim_func
     def halves(a: T.Tensor((64,), "int32"), b: T.Tensor((64,), "int32")):
@@ -216,6 +218,29 @@ def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, sim
             ran.append(info.name)
 
     module = IRModule({"halves": halves.with_attr("target", Target(target))})
-    with transform.PassContext(opt_level=3, instruments=[Record()]):
-        importlib.import_module("tilelang.engine.lower")._prepare_device_codegen_mod(module)
+    lower = importlib.import_module("tilelang.engine.lower")
+    untouched = lower._prepare_device_codegen_mod
+    with transform.PassContext(opt_level=3, instruments=[Record()]), _c_codegen_without_simplify():
+        lower._prepare_device_codegen_mod(module)
     assert "tl.LowerIntrin" in ran and ("tirx.Simplify" in ran) == simplified, ran
+    assert lower._prepare_device_codegen_mod is untouched  # nothing left changed for the rest of the process
+
+
+def test_importing_flashkern_changes_nothing_in_tilelang():
+    """No global patch at import: TileLang's C wrapper, its device code generation and its log level are what they
+    were before flashkern and every kernel module was imported (the changes our C compiles need last only while they
+    run)."""
+    script = textwrap.dedent("""\
+        import importlib, logging
+        from tilelang.jit.adapter.wrapper import TLCPUSourceWrapper
+        lower = importlib.import_module("tilelang.engine.lower")
+        before = (TLCPUSourceWrapper.get_dynamic_symbolic_set, lower._prepare_device_codegen_mod,
+                  logging.getLogger("tilelang").level)
+        import flashkern, flashkern.ops
+        from flashkern import registry
+        registry.operators()
+        after = (TLCPUSourceWrapper.get_dynamic_symbolic_set, lower._prepare_device_codegen_mod,
+                 logging.getLogger("tilelang").level)
+        assert before == after, (before, after)
+        """)
+    subprocess.run([sys.executable, "-c", script], check=True)

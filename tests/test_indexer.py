@@ -343,6 +343,25 @@ def test_sparse_spans_in_the_gpus_default_config(backend):
         assert torch.equal(op.entry(**tied, backend=backend, config=config).cpu(), expected), config
 
 
+@pytest.mark.parametrize("fmt", ("fp8", "mxfp4"))
+@pytest.mark.parametrize("backend", KERNELS)
+def test_dense_blocks_in_the_gpus_default_config(backend, fmt):
+    """The GPU's default for 16 rows of 512K keys (many key tiles a block, several rows a block) on 11 rows of 5000
+    keys: three blocks of tiles a row block, the last ragged. The first eight rows see only keys [1000, 2700), so
+    whole tiles are seen by no row of their block (a block streams only the tiles that meet its rows' ranges, and
+    stores -inf elsewhere); two rows are empty, one sees every key."""
+    op = OPS["mqa_logits"]
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(LogitsProblem(16, 524288, Indexer(32, 128, fmt)))
+    assert config["tiles"] > 1 and config["block_m"] > 1, config
+    inputs = op.make_inputs(LogitsProblem(11, 5000, Indexer(32, 128, fmt)), DEVICE, seed=21)
+    ranges = [(1000, 1900), (1300, 1400), (1200, 2100), (700, 700), (2200, 2200), (1100, 2600), (1000, 1500),
+              (2600, 2700), (4900, 5000), (4990, 5000), (0, 5000)]
+    inputs["ks"] = torch.tensor([lo for lo, _ in ranges], dtype=torch.int32, device=DEVICE)
+    inputs["ke"] = torch.tensor([hi for _, hi in ranges], dtype=torch.int32, device=DEVICE)
+    run_and_check(op, inputs, backend, config)
+
+
 # ---------------------------------------------------------------- the oracles catch wrong answers
 
 

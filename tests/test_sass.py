@@ -187,6 +187,30 @@ def test_cuda_c_loop_bounds_are_evaluated_with_the_sizes(header, sizes, trips):
     assert sass.for_extent(header, sizes) == trips
 
 
+
+@pytest.mark.parametrize("header, sizes, bound", [
+    ("for (int i = 0; i < (min(max((min((((int)blockIdx.x) * 2) + 2, ((hi + 127) >> 7)) - first), 0), 2)); ++i) {",
+     {"blockIdx.x": 4}, 2),  # the data-dependent side is bounded by the block's tiles
+    ("for (int i = 0; i < min(count, ((N + 127) >> 7)); ++i) {", {"N": 1000}, 8),
+    ("for (int i = 0; i < min(count, limit); ++i) {", {}, None),  # neither side known
+    ("for (int i = 0; i < max(count, 4); ++i) {", {}, None),  # max bounds nothing
+    ("for (int i = 1; i < min(count, 4); ++i) {", {}, None),  # only loops from 0
+])
+def test_data_dependent_loop_bounds_take_their_clamp_as_an_upper_bound(header, sizes, bound):
+    assert sass.for_extent(header, sizes) is None
+    assert sass.for_bound(header, sizes) == bound
+
+
+def test_a_loop_bound_named_by_a_local_takes_the_locals_value():
+    before = ["  int first = max(((int)blockIdx.x) * 2, lo >> 7);", "  int count = min(max(hi - first, 0), 2);",
+              "  int other = 7;"]
+    header = sass.with_locals("for (int i_2 = 0; i_2 < count; ++i_2) {", before)
+    assert header == "for (int i_2 = 0; i_2 < (min(max(hi - first, 0), 2)); ++i_2) {"
+    assert sass.for_bound(header, {}) == 2
+    assert sass.with_locals("for (int k = 0; k < 16; ++k) {", before) == "for (int k = 0; k < 16; ++k) {"
+    assert sass.with_locals("for (int k = 0; k < unknown; ++k) {", before) == "for (int k = 0; k < unknown; ++k) {"
+
+
 PHASES = textwrap.dedent("""\
     //--------------------- .text.k            --------------------------
     k:

@@ -15,6 +15,7 @@ breaks are caught on machines without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -32,7 +33,6 @@ import torch
 from flashkern.kernels._tilelang import codecs
 from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble, cached_report, source_digest
 
-logging.getLogger("tilelang").setLevel(logging.WARNING)  # "begins/completes to compile" at INFO
 
 CPU_PASS_CONFIGS = {"tirx.disable_vectorize": True}  # math inside auto-vectorized loops fails on the C target
 CPU_COMPILE_FLAGS = ["-O2"]  # the C compiler otherwise runs at -O0 (about 13x slower)
@@ -77,6 +77,14 @@ class Flavour:
             return T.Cast("float32", T.Cast("bfloat16", x))
         return codecs.bf16_to_f32(codecs.f32_to_bf16(x))
 
+    def tma_arg(self, tensor):
+        """A tensor a kernel T.copy's from, as it is where a TMA descriptor can address it (16-byte aligned base and
+        leading strides), else a contiguous copy: on sm_90a TileLang lowers such copies to TMA, whose descriptor
+        refuses other layouts at launch. Reads only the layout, never values."""
+        item = tensor.element_size()
+        aligned = tensor.data_ptr() % 16 == 0 and all(s * item % 16 == 0 for s in tensor.stride()[:-1])
+        return tensor if aligned or not self.on_gpu else tensor.clone(memory_format=torch.contiguous_format)
+
     def store_bf16(self, x):
         """fp32 x as a stored bf16 element (rounded to nearest, ties to even): bf16 on GPU, its bits on CPU."""
         return T.Cast("bfloat16", x) if self.on_gpu else codecs.f32_to_bf16(x)
@@ -86,20 +94,20 @@ CPU = Flavour(on_gpu=False)
 GPU = Flavour(on_gpu=True)
 
 
-def _pass_dynamic_strides_on_cpu() -> None:
-    """Let the C target take tensors with dynamic strides (`T.StridedTensor(shape, (S, 1), ...)`, S = T.dynamic).
+@contextlib.contextmanager
+def _c_wrapper_with_strides():
+    """While open, the C target takes tensors with dynamic strides (`T.StridedTensor(shape, (S, 1), ...)`, S =
+    T.dynamic).
 
     TileLang 0.1.15's C host wrapper declares only the dynamic *shape* symbols as `call(...)` arguments, while
     the kernel it calls (and the Cython adapter, which reads the symbols from the torch tensors: shapes first,
     then strides) also carry the stride symbols, so such a kernel fails to compile. The CUDA wrapper lists
-    shapes then strides; this gives the C wrapper the same list, in the same order.
+    shapes then strides; this gives the C wrapper the same list, in the same order, for our compiles only.
     """
     from tilelang.jit.adapter.wrapper import TLCPUSourceWrapper
     from tvm import tirx
 
     shape_symbols = TLCPUSourceWrapper.get_dynamic_symbolic_set
-    if getattr(shape_symbols, "with_strides", False):
-        return
 
     def shape_and_stride_symbols(self, prim_func):
         symbols = dict(shape_symbols(self, prim_func))
@@ -110,15 +118,17 @@ def _pass_dynamic_strides_on_cpu() -> None:
                         symbols[stride.name] = str(stride.dtype)
         return list(symbols.items())
 
-    shape_and_stride_symbols.with_strides = True
     TLCPUSourceWrapper.get_dynamic_symbolic_set = shape_and_stride_symbols
+    try:
+        yield
+    finally:
+        TLCPUSourceWrapper.get_dynamic_symbolic_set = shape_symbols
 
 
-_pass_dynamic_strides_on_cpu()
-
-
-def _skip_codegen_simplify_on_cpu() -> None:
-    """Skip the arithmetic simplifier TileLang 0.1.15 runs on a C-target kernel just before printing it.
+@contextlib.contextmanager
+def _c_codegen_without_simplify():
+    """While open, C-target code generation skips the arithmetic simplifier TileLang 0.1.15 runs on a kernel just
+    before printing it.
 
     Device code generation runs LowerIntrin (power-of-two `//` and `%` become shifts and masks) and then a full
     `tirx.Simplify` over the kernel, whose expressions the pipeline already simplified: on the shifted forms that
@@ -130,10 +140,10 @@ def _skip_codegen_simplify_on_cpu() -> None:
     from tvm.ir.instrument import pass_instrument
 
     lower = importlib.import_module("tilelang.engine.lower")  # the module: the package exports a function `lower`
-
     prepare = getattr(lower, "_prepare_device_codegen_mod", None)
-    if prepare is None or getattr(prepare, "c_without_simplify", False):
-        return  # another TileLang: leave it as it is
+    if prepare is None:  # another TileLang: leave it as it is
+        yield
+        return
 
     @pass_instrument
     class SkipSimplify:
@@ -149,11 +159,23 @@ def _skip_codegen_simplify_on_cpu() -> None:
                                    instruments=[*outer.instruments, SkipSimplify()]):
             return prepare(device_mod)
 
-    prepare_without_simplify_on_c.c_without_simplify = True
     lower._prepare_device_codegen_mod = prepare_without_simplify_on_c
+    try:
+        yield
+    finally:
+        lower._prepare_device_codegen_mod = prepare
 
 
-_skip_codegen_simplify_on_cpu()
+@contextlib.contextmanager
+def _quiet_tilelang():
+    """TileLang's "begins/completes to compile" INFO lines off while we compile; its level restored after."""
+    tilelang_log = logging.getLogger("tilelang")
+    level = tilelang_log.level
+    tilelang_log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        tilelang_log.setLevel(level)
 
 
 def row_strided(shape: tuple, dtype: str, name: str):
@@ -170,7 +192,8 @@ def compile_cpu(prim_func):
     (thousands of files after a test run); they are written to a folder of ours, removed once the library is loaded
     and copied to TileLang's cache. The folder is set through `tempfile.tempdir`, a process-wide setting: compiles
     must not run on several threads of one process at once (ours run one per process)."""
-    with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder:
+    with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder, _quiet_tilelang(), \
+            _c_wrapper_with_strides(), _c_codegen_without_simplify():
         shared_default, tempfile.tempdir = tempfile.tempdir, folder
         try:
             return tilelang.compile(prim_func, target="c", pass_configs=CPU_PASS_CONFIGS,
@@ -181,7 +204,8 @@ def compile_cpu(prim_func):
 
 def compile_cuda(prim_func, pass_configs: dict | None = None):
     """JIT-compile a GPU-flavour kernel for the current CUDA device."""
-    return tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs or {})
+    with _quiet_tilelang():
+        return tilelang.compile(prim_func, target="cuda", pass_configs=pass_configs or {})
 
 
 def _sm90_target():
@@ -196,7 +220,8 @@ def lower_sm90(prim_func, pass_configs: dict | None = None):
 
     target = _sm90_target()
     with transform.PassContext(opt_level=3, config=pass_configs or {}), target:
-        artifact = tilelang.lower(prim_func, target=target)
+        with _quiet_tilelang():
+            artifact = tilelang.lower(prim_func, target=target)
     smem, threads = 0, 0
     for _, fn in artifact.device_mod.functions.items():
         attrs = fn.attrs or {}

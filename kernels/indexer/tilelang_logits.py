@@ -6,14 +6,17 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
   1. addressing (per mode): key_row[n] = the key read for slot n (a row of the flat key table,
      or page * bs + slot of the paged cache),
      key_pos[n] = its absolute position (-1: none), bounds[r] = [lo, hi) of row r.
-       dense   slots are positions n0 + n of k [N, D]; bounds [ks, ke); `rows` = block_m rows
+       dense   slots are positions n0 + n of k [N, D]; bounds [ks, ke); `rows` = block_m rows; a block
+               owns `tiles` key tiles, loads its queries once and streams the tiles that meet its rows'
+               ranges through a pipelined T.copy (TMA on sm_90a; logits_program), -inf elsewhere
        paged   slots are positions of sequence b; cache block block_table[b, p // bs] (read only
                where some token sees p; an entry outside [0, cache blocks) gives key_pos -1 and
                key_row 0); bounds [0, context_lens[b] - next_n + j + 1) (computed in int64, clamped to
                [0, width]), or [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n
        sparse  slot c of row m is position blocks[m, c // block] * block + c % block (-1 for an id
                outside [0, ceil(N / block))); bounds [ks, ke) clamped to [0, N]; rows = 1
-  2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC], queries of the rows (heads
+  2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC] (gathered element by element,
+     or copied: dense), queries of the rows (heads
      padded to HP, a power of two >= 16) -> q_tile [CH * rows * HP, DC] (chunk c of D in the
      c-th row block), operands exact in e4m3 on GPU (e2m1 codes converted), decoded fp32 on CPU;
      scores acc [BN, rows * HP] = k_tile . q_tile^T (fp32 accumulate):
@@ -70,7 +73,6 @@ class _Storage:
         self.chunks, self.chunk = (1, self.dim) if self.fp8 else (self.dim // MX_BLOCK, MX_BLOCK)
         self.data = "float8_e4m3fn" if self.fp8 and fl.on_gpu else "uint8"  # q and k tensors
         self.operand = "float8_e4m3fn" if fl.on_gpu else "float32"  # gemm tiles
-        self.key_scales = 1 if self.fp8 else self.chunks  # per key
         self.next_n, self.block_size = next_n, block_size
         self.bf16_logits = bf16_logits
 
@@ -115,9 +117,8 @@ class _Storage:
         return K[(*self._k_lead(key), element)]
 
     def key_scale(self, Kscale, key, chunk):
-        if self.fp8:
-            return Kscale[self._k_lead(key)]
-        return codecs.ue8m0_to_f32(Kscale[(*self._k_lead(key), chunk)])
+        """The stored scale: fp32 (fp8), or a ue8m0 byte (MXFP4)."""
+        return Kscale[self._k_lead(key) if self.fp8 else (*self._k_lead(key), chunk)]
 
     def e4m3(self, stored):
         """A stored e4m3 value as a gemm operand."""
@@ -133,80 +134,143 @@ class _Storage:
         return self.fl.store_bf16(value) if self.bf16_logits else value
 
 
-def _tile_macros(st: _Storage, rows: int, block_n: int):
-    """The mode-independent part of a block: score `rows` query rows against block_n key slots, store."""
-    fl = st.fl
-    H, HP, CH, DC = st.heads, _head_slots(st.heads), st.chunks, st.chunk
-    BN, RH = block_n, rows * _head_slots(st.heads)
-    DS = DC // st.per_byte  # stored elements per chunk
-    NEG_INF = -T.infinity("float32")
+class _TileMacros:
+    """The mode-independent parts of a block that scores `rows` query rows against block_n key slots: buffers,
+    the query load (once per block), the key load (gathered through key_row, or copied from a contiguous run of
+    keys), the MMA and relu-weighted head sum, and the masked store."""
 
-    @T.macro
-    def put(tile, row, j, stored):
-        """Decode stored element j of a chunk into tile[row, ...] (e2m1 pairs: even value in the low nibble)."""
-        if st.fp8:
-            tile[row, j] = st.e4m3(stored)
-        else:
-            tile[row, 2 * j] = st.e2m1(stored, 0)
-            tile[row, 2 * j + 1] = st.e2m1(stored, 4)
+    def __init__(self, st: _Storage, rows: int, block_n: int):
+        self.st, self.rows, self.block_n = st, rows, block_n
+        fl = st.fl
+        H, HP, CH, DC = st.heads, _head_slots(st.heads), st.chunks, st.chunk
+        BN, RH = block_n, rows * _head_slots(st.heads)
+        DS = DC // st.per_byte  # stored elements per chunk
+        NEG_INF = -T.infinity("float32")
 
-    @T.macro
-    def score(Q, Qscale, W, K, Kscale, key_row, m0, n_rows, logits):
-        """logits[n, r] = sum_h w * relu(q . k) of row m0 + r and slot n (rows past n_rows repeat the last)."""
-        k_tile = fl.shared((CH * BN, DC), st.operand)  # chunk c of D in rows c * BN ..
-        q_tile = fl.shared((CH * RH, DC), st.operand)
-        k_scale = fl.shared((BN, st.key_scales), "float32")
-        w_tile = fl.shared((RH,), "float32")
-        acc = fl.fragment((BN, RH), "float32")
-        for c, n, j in fl.parallel(CH, BN, DS):
-            put(k_tile, c * BN + n, j, st.k_at(K, key_row[n], c * DS + j))
-        for n, c in fl.parallel(BN, st.key_scales):
-            k_scale[n, c] = st.key_scale(Kscale, key_row[n], c)
-        for c, i, j in fl.parallel(CH, RH, DS):
-            put(q_tile, c * RH + i, j, st.q_at(Q, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c * DS + j))
-        for i in fl.parallel(RH):
-            w_tile[i] = W[T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1)]
-        if st.fp8:
-            T.gemm(k_tile, q_tile, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-            for n, i in fl.parallel(BN, RH):
-                acc[n, i] = acc[n, i] * k_scale[n, 0]
-        else:
-            q_scale = fl.shared((RH, CH), "float32")
-            part = fl.fragment((BN, RH), "float32")
-            for i, c in fl.parallel(RH, CH):
-                q_scale[i, c] = st.q_scale_at(Qscale, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c)
-            for n, i in fl.parallel(BN, RH):
-                acc[n, i] = 0.0
-            for c in T.serial(CH):
-                T.gemm(k_tile[c * BN:(c + 1) * BN, :], q_tile[c * RH:(c + 1) * RH, :], part, transpose_B=True,
-                       clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        @T.macro
+        def put(tile, row, j, stored):
+            """Decode stored element j of a chunk into tile[row, ...] (e2m1 pairs: even value in the low nibble)."""
+            if st.fp8:
+                tile[row, j] = st.e4m3(stored)
+            else:
+                tile[row, 2 * j] = st.e2m1(stored, 0)
+                tile[row, 2 * j + 1] = st.e2m1(stored, 4)
+
+        @T.macro
+        def queries(Q, Qscale, W, m0, n_rows, q_tile, w_tile, q_scale):
+            """q_tile, w_tile (and the MXFP4 q scales) of rows m0 + r (rows past n_rows repeat the last)."""
+            if self.copies_operand and H == HP and st.next_n is None:  # e4m3 rows as they are: a copy a row
+                for r in T.serial(rows):
+                    T.copy(Q[T.min(m0 + r, n_rows - 1), 0:H, 0:DC], q_tile[r * HP:(r + 1) * HP, 0:DC])
+            else:
+                for c, i, j in fl.parallel(CH, RH, DS):
+                    put(q_tile, c * RH + i, j,
+                        st.q_at(Q, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c * DS + j))
+            for i in fl.parallel(RH):
+                w_tile[i] = W[T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1)]
+            if not st.fp8:
+                for i, c in fl.parallel(RH, CH):
+                    q_scale[i, c] = st.q_scale_at(Qscale, T.min(m0 + i // HP, n_rows - 1), T.min(i % HP, H - 1), c)
+
+        @T.macro
+        def gathered_keys(K, Kscale, key_row, k_tile, k_scale):
+            """Slot n's key: row key_row[n] of the key table, element by element."""
+            for c, n, j in fl.parallel(CH, BN, DS):
+                put(k_tile, c * BN + n, j, st.k_at(K, key_row[n], c * DS + j))
+            if st.fp8:
+                for n in fl.parallel(BN):
+                    k_scale[n] = st.key_scale(Kscale, key_row[n], 0)
+            else:
+                for n, c in fl.parallel(BN, CH):
+                    k_scale[n, c] = st.key_scale(Kscale, key_row[n], c)
+
+        @T.macro
+        def copied_keys(K, Kscale, n0, k_raw, k_tile, k_scale):
+            """Slot n's key: row n0 + n of a flat key table, copied as a tile (past the table: zeros, never read
+            elsewhere); fp8 lands in the MMA operand as it is (GPU), anything else is decoded from k_raw."""
+            T.copy(K[n0:n0 + BN, 0:st.packed], k_raw)
+            if st.fp8:
+                T.copy(Kscale[n0:n0 + BN], k_scale)
+            else:
+                T.copy(Kscale[n0:n0 + BN, 0:CH], k_scale)
+            if not self.copies_operand:
+                for c, n, j in fl.parallel(CH, BN, DS):
+                    put(k_tile, c * BN + n, j, k_raw[n, c * DS + j])
+
+        @T.macro
+        def mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits):
+            """logits[n, r] = sum_h w[r, h] relu(q[r, h] . k[n] x scales) (padded heads give 0)."""
+            acc = fl.fragment((BN, RH), "float32")
+            if st.fp8:
+                T.gemm(k_tile, q_tile, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 for n, i in fl.parallel(BN, RH):
-                    acc[n, i] = acc[n, i] + part[n, i] * (q_scale[i, c] * k_scale[n, c])
-        per_head = T.reshape(acc, (BN, rows, HP))
-        for n, r, h in fl.parallel(BN, rows, HP):  # relu keeps NaN (a 0xFF scale), as the reference's
-            per_head[n, r, h] = T.if_then_else(
-                h < H, T.if_then_else(per_head[n, r, h] < 0.0, 0.0, per_head[n, r, h]) * w_tile[r * HP + h], 0.0)
-        T.reduce_sum(per_head, logits, dim=2)
+                    acc[n, i] = acc[n, i] * k_scale[n]
+            else:
+                part = fl.fragment((BN, RH), "float32")
+                for n, i in fl.parallel(BN, RH):
+                    acc[n, i] = 0.0
+                for c in T.serial(CH):
+                    T.gemm(k_tile[c * BN:(c + 1) * BN, :], q_tile[c * RH:(c + 1) * RH, :], part, transpose_B=True,
+                           clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for n, i in fl.parallel(BN, RH):
+                        acc[n, i] = acc[n, i] + part[n, i] * (q_scale[i, c] * codecs.ue8m0_to_f32(k_scale[n, c]))
+            per_head = T.reshape(acc, (BN, rows, HP))
+            for n, r, h in fl.parallel(BN, rows, HP):  # relu keeps NaN (a 0xFF scale), as the reference's
+                per_head[n, r, h] = T.if_then_else(
+                    h < H, T.if_then_else(per_head[n, r, h] < 0.0, 0.0, per_head[n, r, h]) * w_tile[r * HP + h], 0.0)
+            T.reduce_sum(per_head, logits, dim=2)
 
-    @T.macro
-    def tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, m0, n_rows, first, last, out_m0, n0, width, Out):
-        """Score the block if some row's [lo, hi) meets positions [first, last]; store [rows, BN] at (out_m0, n0)."""
-        logits = fl.fragment((BN, rows), "float32")
-        staged = fl.shared((rows, BN), "float32")
-        live = T.alloc_var("int32", init=0)
-        for r in T.serial(rows):
-            if (m0 + r < n_rows) & (bounds[r, 0] < bounds[r, 1]) & (bounds[r, 0] <= last) & (bounds[r, 1] > first):
-                live = 1
-        if live == 1:
-            score(Q, Qscale, W, K, Kscale, key_row, m0, n_rows, logits)
-        for n, r in fl.parallel(BN, rows):
-            staged[r, n] = T.if_then_else((key_pos[n] >= bounds[r, 0]) & (key_pos[n] < bounds[r, 1]), logits[n, r],
-                                          NEG_INF)
-        for r, n in fl.parallel(rows, BN):
-            if (m0 + r < n_rows) & (n0 + n < width):
-                Out[out_m0 + r, n0 + n] = st.logit(staged[r, n])
+        @T.macro
+        def store(logits, key_pos, bounds, n_rows, m0, out_m0, n0, width, Out):
+            """Out[out_m0 + r, n0 + n] = logits[n, r] where lo_r <= key_pos[n] < hi_r, else -inf (rows m0 + r <
+            n_rows, columns < width)."""
+            staged = fl.shared((rows, BN), "float32")
+            for n, r in fl.parallel(BN, rows):
+                staged[r, n] = T.if_then_else((key_pos[n] >= bounds[r, 0]) & (key_pos[n] < bounds[r, 1]),
+                                              logits[n, r], NEG_INF)
+            for r, n in fl.parallel(rows, BN):
+                if (m0 + r < n_rows) & (n0 + n < width):
+                    Out[out_m0 + r, n0 + n] = st.logit(staged[r, n])
 
-    return tile
+        @T.macro
+        def tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, m0, n_rows, first, last, out_m0, n0, width,
+                 Out):
+            """Score gathered keys if some row's [lo, hi) meets positions [first, last]; store [rows, BN] at
+            (out_m0, n0)."""
+            k_tile, k_scale, q_tile, w_tile, q_scale = self.buffers()
+            logits = fl.fragment((BN, rows), "float32")
+            live = T.alloc_var("int32", init=0)
+            for r in T.serial(rows):
+                if (m0 + r < n_rows) & (bounds[r, 0] < bounds[r, 1]) & (bounds[r, 0] <= last) & (bounds[r, 1] > first):
+                    live = 1
+            if live == 1:
+                queries(Q, Qscale, W, m0, n_rows, q_tile, w_tile, q_scale)
+                gathered_keys(K, Kscale, key_row, k_tile, k_scale)
+                mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
+            store(logits, key_pos, bounds, n_rows, m0, out_m0, n0, width, Out)
+
+        self.queries, self.copied_keys, self.mma, self.store, self.tile = queries, copied_keys, mma, store, tile
+
+    @property
+    def copies_operand(self) -> bool:
+        """Stored keys are the MMA operand itself (e4m3 on GPU): copied straight into it."""
+        return self.st.fp8 and self.st.fl.on_gpu
+
+    def buffers(self):
+        """(k_tile [CH x BN, DC] (chunk c of D in rows c x BN ..), k_scale (fp8: [BN] fp32; MXFP4: [BN, CH] ue8m0
+        bytes), q_tile [CH x rows x HP, DC], w_tile [rows x HP], q_scale [rows x HP, CH] (MXFP4; else unused))."""
+        st, fl, BN = self.st, self.st.fl, self.block_n
+        RH = self.rows * _head_slots(st.heads)
+        k_scale = fl.shared((BN,), "float32") if st.fp8 else fl.shared((BN, st.chunks), "uint8")
+        return (fl.shared((st.chunks * BN, st.chunk), st.operand), k_scale,
+                fl.shared((st.chunks * RH, st.chunk), st.operand), fl.shared((RH,), "float32"),
+                fl.shared((RH, st.chunks), "float32"))
+
+    def key_staging(self, k_tile):
+        """Where copied keys land: the operand itself, or a tile of stored bytes to decode."""
+        if self.copies_operand:
+            return k_tile
+        return self.st.fl.shared((self.block_n, self.st.packed), self.st.data)
 
 
 def _addressing(fl: Flavour, rows: int, block_n: int):
@@ -233,10 +297,14 @@ def _out_arg(logits, fl: Flavour):
 
 
 def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
-    """logits [M, N] for q [M, H, D], k [N, D] with per-row key ranges [ks, ke)."""
-    BM, BN = config["block_m"], config["block_n"]
+    """logits [M, N] for q [M, H, D], k [N, D] with per-row key ranges [ks, ke).
+
+    DeepGEMM's structure: a block owns block_m rows and `tiles` consecutive key tiles; it loads the rows' queries
+    once, then streams the tiles that meet some row's range through a pipelined T.copy (TMA on sm_90a, the keys
+    as the M side of the MMA) while the previous tile's relu-weighted head sum runs; tiles no row sees get -inf."""
+    BM, BN, TILES = config["block_m"], config["block_n"], config["tiles"]
     st = _Storage(problem.indexer, fl, bf16_logits=problem.bf16_logits)
-    tile = _tile_macros(st, BM, BN)
+    tm = _TileMacros(st, BM, BN)
     H = st.heads
     M, N = T.dynamic("M"), T.dynamic("N")
 
@@ -251,16 +319,34 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
         Ke: T.Tensor((M,), "int32"),
         Out: st.out_tensor((M, N)),
     ):
-        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=config["threads"]) as (bx, by):
-            key_row, key_pos, bounds = _addressing(fl, BM, BN)
-            for n in fl.parallel(BN):
-                key_pos[n] = bx * BN + n
-                key_row[n] = T.min(bx * BN + n, N - 1)
+        with T.Kernel(T.ceildiv(N, BN * TILES), T.ceildiv(M, BM), threads=config["threads"]) as (bx, by):
+            _, key_pos, bounds = _addressing(fl, BM, BN)
+            k_tile, k_scale, q_tile, w_tile, q_scale = tm.buffers()
+            k_raw = tm.key_staging(k_tile)
+            logits = fl.fragment((BN, BM), "float32")
+            lo = T.alloc_var("int32", init=N)  # the union of the rows' ranges, clamped to [0, N]
+            hi = T.alloc_var("int32", init=0)
             for r in fl.parallel(BM):
                 bounds[r, 0] = Ks[T.min(by * BM + r, M - 1)]
                 bounds[r, 1] = Ke[T.min(by * BM + r, M - 1)]
-            tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, by * BM, M, bx * BN, bx * BN + BN - 1,
-                 by * BM, bx * BN, N, Out)
+            for r in T.serial(BM):
+                if (by * BM + r < M) & (bounds[r, 0] < bounds[r, 1]):
+                    lo = T.min(lo, T.max(bounds[r, 0], 0))
+                    hi = T.max(hi, T.min(bounds[r, 1], N))
+            first = T.max(bx * TILES, lo // BN)  # the block's tiles that meet the union: [first, first + count)
+            count = T.min(T.max(T.min(bx * TILES + TILES, T.ceildiv(hi, BN)) - first, 0), TILES)
+            tm.queries(Q, Qscale, W, by * BM, M, q_tile, w_tile, q_scale)
+            for i in T.Pipelined(count, num_stages=2):
+                tm.copied_keys(K, Kscale, (first + i) * BN, k_raw, k_tile, k_scale)
+                tm.mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
+                for n in fl.parallel(BN):
+                    key_pos[n] = (first + i) * BN + n
+                tm.store(logits, key_pos, bounds, M, by * BM, by * BM, (first + i) * BN, N, Out)
+            for t in T.serial(TILES):
+                if (bx * TILES + t < first) | (bx * TILES + t >= first + count):
+                    for r, n in fl.parallel(BM, BN):
+                        if (by * BM + r < M) & ((bx * TILES + t) * BN + n < N):
+                            Out[by * BM + r, (bx * TILES + t) * BN + n] = st.logit(-T.infinity("float32"))
 
     return mqa_logits
 
@@ -270,8 +356,8 @@ def logits_args(problem: LogitsProblem, inputs: dict, config: dict, fl: Flavour,
     st = _Storage(problem.indexer, fl)
     if out.numel() == 0:
         return None
-    return [_data_arg(q, st), _q_scale_arg(inputs["q_scale"], 1, q.device), _data_arg(k, st), inputs["k_scale"],
-            inputs["w"], inputs["ks"], inputs["ke"], _out_arg(out, fl)]
+    return [fl.tma_arg(_data_arg(q, st)), _q_scale_arg(inputs["q_scale"], 1, q.device), fl.tma_arg(_data_arg(k, st)),
+            fl.tma_arg(inputs["k_scale"]), inputs["w"], inputs["ks"], inputs["ke"], _out_arg(out, fl)]
 
 
 # ---------------------------------------------------------------- paged_mqa_logits (decode)
@@ -288,7 +374,7 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
     BN, NEXT, BS, RW = config["block_n"], problem.next_n, problem.block_size, paged_rows(problem, config)
     CHUNKS = -(-NEXT // RW)
     st = _Storage(problem.indexer, fl, next_n=NEXT, block_size=BS, bf16_logits=problem.bf16_logits)
-    tile = _tile_macros(st, RW, BN)
+    tile = _TileMacros(st, RW, BN).tile
     H = st.heads
     B, MB, NB = T.dynamic("B"), T.dynamic("max_blocks"), T.dynamic("cache_blocks")
     R, WIDTH = T.dynamic("rows"), T.dynamic("width")  # B * next_n, MB * bs
@@ -364,7 +450,7 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour):
     BN, BLK, THREADS = config["block_n"], problem.block, config["threads"]
     SPAN, KEEP = span_slots(config), kept_per_span(problem, config)
     st = _Storage(problem.indexer, fl)
-    tile = _tile_macros(st, 1, BN)
+    tile = _TileMacros(st, 1, BN).tile
     select, gather = tilelang_topk.selection_macros(
         fl, THREADS, max(1, SPAN // THREADS), lambda scores, m, n: tilelang_topk.order_key(scores[m, n]),
         tilelang_topk.dropping(True), tilelang_topk.mapping(0))
@@ -467,7 +553,7 @@ def _accumulator_values(indexer, rows: int, config: dict) -> int:
 #   (block_m 4 x 64 heads x block_n 128, fp8): far from the limit, so it is not modelled.
 REGISTERS = "accumulators x block_n x rows x padded heads / threads <= 128 (registers)"
 LOGITS_SPACE = Space(
-    params={"block_m": (1, 2, 4), "block_n": (64, 128), "threads": (128, 256)},
+    params={"block_m": (1, 2, 4, 8), "block_n": (64, 128), "tiles": (1, 2, 4, 8, 16), "threads": (128, 256)},
     gpu_only=("threads",),
     limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, c["block_m"], c) <= 128},
 )
@@ -485,9 +571,20 @@ SPARSE_SPACE = Space(
 )
 
 
+SMS = 132  # H100 / H200
+
+
 def logits_default(problem: LogitsProblem) -> dict:
-    """128 keys x 64 score columns (rows x padded heads): one 64-wide MMA per 64 keys, one warpgroup."""
-    return {"block_m": max(1, 64 // _head_slots(problem.indexer.heads)), "block_n": 128, "threads": 128}
+    """128 keys a tile against up to 256 score columns (rows x padded heads; 128 a warpgroup, so a row block reads
+    each key once for as many rows as the registers allow), and the most key tiles a block (Q read once for them)
+    that still leave two blocks per SM. 16 rows of 512K keys: 8 rows a block model at 51 us (tensor), 4 at 59
+    (HBM: each key read 4 times), 2 at 99 (L2)."""
+    head_slots = _head_slots(problem.indexer.heads)
+    block_m = max(1, min(1 << (problem.rows - 1).bit_length(), 256 // head_slots))
+    threads = 256 if block_m * head_slots > 128 else 128
+    row_blocks = -(-problem.rows // block_m)
+    tiles = next((t for t in (16, 8, 4, 2) if -(-problem.keys // (128 * t)) * row_blocks >= 2 * SMS), 1)
+    return {"block_m": block_m, "block_n": 128, "tiles": tiles, "threads": threads}
 
 
 def paged_default(problem: PagedProblem) -> dict:
