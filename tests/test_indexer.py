@@ -362,6 +362,26 @@ def test_dense_blocks_in_the_gpus_default_config(backend, fmt):
     run_and_check(op, inputs, backend, config)
 
 
+@pytest.mark.parametrize("block_size, fmt", ((16, "fp8"), (64, "mxfp4")))
+@pytest.mark.parametrize("backend", KERNELS)
+def test_paged_blocks_in_the_gpus_default_config(backend, block_size, fmt):
+    """The GPU's default for 8 sequences of 1024 cache blocks (TileLang: several key tiles a block) on 3 sequences
+    of 40 cache blocks of 16 (a tile copied as 8 pieces, one a cache block) or 64 positions: a block streams the
+    tiles its tokens see and stores -inf past them. Sequence 1 sees two thirds of its table, sequence 2 its first
+    two positions; table entries past a context (one outside the cache) are never followed."""
+    op = OPS["paged_mqa_logits"]
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(PagedProblem(8, 1024, 2, block_size, Indexer(32, 128, fmt)))
+    problem = PagedProblem(3, 40, 2, block_size, Indexer(32, 128, fmt))
+    if backend == "tilelang":
+        assert config["tiles"] > 1, config
+    inputs = op.make_inputs(problem, DEVICE, seed=5)
+    inputs["context_lens"][2] = 2  # two tokens: the first sees position 0, the second 0 and 1
+    inputs["block_table"][2, 1:] = -7  # past its context
+    inputs["block_table"][1, -1] = 10**6  # past its context and outside the cache
+    run_and_check(op, inputs, backend, config)
+
+
 # ---------------------------------------------------------------- the oracles catch wrong answers
 
 

@@ -12,11 +12,13 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
        paged   slots are positions of sequence b; cache block block_table[b, p // bs] (read only
                where some token sees p; an entry outside [0, cache blocks) gives key_pos -1 and
                key_row 0); bounds [0, context_lens[b] - next_n + j + 1) (computed in int64, clamped to
-               [0, width]), or [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n
+               [0, width]), or [0, context_lens[b, j]) for per-token (2-D) lengths; rows = next_n; a
+               block owns `tiles` key tiles and copies each as pieces of gcd(BN, bs) keys, a cache block's
+               (TMA on sm_90a; paged_program), -inf past what its tokens see
        sparse  slot c of row m is position blocks[m, c // block] * block + c % block (-1 for an id
                outside [0, ceil(N / block))); bounds [ks, ke) clamped to [0, N]; rows = 1
-  2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC] (gathered element by element,
-     or copied: dense), queries of the rows (heads
+  2. if some row's range meets the tile: keys -> k_tile [CH * BN, DC] (gathered element by element:
+     sparse; else copied), queries of the rows (heads
      padded to HP, a power of two >= 16) -> q_tile [CH * rows * HP, DC] (chunk c of D in the
      c-th row block), operands exact in e4m3 on GPU (e2m1 codes converted), decoded fp32 on CPU;
      scores acc [BN, rows * HP] = k_tile . q_tile^T (fp32 accumulate):
@@ -39,6 +41,8 @@ key_pos / bounds make what it points at -inf (reference/indexer.py).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
+import math
+
 import tilelang.language as T
 import torch
 
@@ -185,14 +189,18 @@ class _TileMacros:
                     k_scale[n, c] = st.key_scale(Kscale, key_row[n], c)
 
         @T.macro
-        def copied_keys(K, Kscale, n0, k_raw, k_tile, k_scale):
-            """Slot n's key: row n0 + n of a flat key table, copied as a tile (past the table: zeros, never read
-            elsewhere); fp8 lands in the MMA operand as it is (GPU), anything else is decoded from k_raw."""
-            T.copy(K[n0:n0 + BN, 0:st.packed], k_raw)
+        def copied_piece(K, Kscale, lead, start, piece, at, k_raw, k_scale):
+            """Keys [start, start + piece) of K[lead] (a flat table: lead is empty, or a cache block) into slots
+            [at, at + piece) of the staging tile, as a tile copy (past the table: zeros, never stored)."""
+            T.copy(K[(*lead, slice(start, start + piece), slice(0, st.packed))], k_raw[at:at + piece, 0:st.packed])
             if st.fp8:
-                T.copy(Kscale[n0:n0 + BN], k_scale)
+                T.copy(Kscale[(*lead, slice(start, start + piece))], k_scale[at:at + piece])
             else:
-                T.copy(Kscale[n0:n0 + BN, 0:CH], k_scale)
+                T.copy(Kscale[(*lead, slice(start, start + piece), slice(0, CH))], k_scale[at:at + piece, 0:CH])
+
+        @T.macro
+        def decoded_keys(k_raw, k_tile):
+            """The staged stored keys as MMA operands (nothing to do where they were copied straight in)."""
             if not self.copies_operand:
                 for c, n, j in fl.parallel(CH, BN, DS):
                     put(k_tile, c * BN + n, j, k_raw[n, c * DS + j])
@@ -249,7 +257,8 @@ class _TileMacros:
                 mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
             store(logits, key_pos, bounds, n_rows, m0, out_m0, n0, width, Out)
 
-        self.queries, self.copied_keys, self.mma, self.store, self.tile = queries, copied_keys, mma, store, tile
+        self.queries, self.mma, self.store, self.tile = queries, mma, store, tile
+        self.copied_piece, self.decoded_keys = copied_piece, decoded_keys
 
     @property
     def copies_operand(self) -> bool:
@@ -337,7 +346,8 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
             count = T.min(T.max(T.min(bx * TILES + TILES, T.ceildiv(hi, BN)) - first, 0), TILES)
             tm.queries(Q, Qscale, W, by * BM, M, q_tile, w_tile, q_scale)
             for i in T.Pipelined(count, num_stages=2):
-                tm.copied_keys(K, Kscale, (first + i) * BN, k_raw, k_tile, k_scale)
+                tm.copied_piece(K, Kscale, (), (first + i) * BN, BN, 0, k_raw, k_scale)
+                tm.decoded_keys(k_raw, k_tile)
                 tm.mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
                 for n in fl.parallel(BN):
                     key_pos[n] = (first + i) * BN + n
@@ -370,14 +380,43 @@ def paged_rows(problem: PagedProblem, config: dict) -> int:
 
 def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
     """logits [B * next_n, max_blocks * bs] over a paged cache [blocks, bs, D]; a block scores `block_rows` tokens of
-    a sequence (token chunk `chunk` of ceil(next_n / block_rows))."""
-    BN, NEXT, BS, RW = config["block_n"], problem.next_n, problem.block_size, paged_rows(problem, config)
+    a sequence (token chunk `chunk` of ceil(next_n / block_rows)) against `tiles` key tiles: it loads the tokens'
+    queries once and streams the tiles some token sees through a pipelined T.copy of cache-block pieces (TMA on
+    sm_90a, each piece's block from the table), -inf elsewhere; decode splits the context over the blocks."""
+    BN, NEXT, BS, RW, TILES = (config["block_n"], problem.next_n, problem.block_size, paged_rows(problem, config),
+                               config["tiles"])
     CHUNKS = -(-NEXT // RW)
+    PIECE = math.gcd(BN, BS)  # keys a copy moves: contiguous in one cache block
     st = _Storage(problem.indexer, fl, next_n=NEXT, block_size=BS, bf16_logits=problem.bf16_logits)
-    tile = _TileMacros(st, RW, BN).tile
+    tm = _TileMacros(st, RW, BN)
     H = st.heads
     B, MB, NB = T.dynamic("B"), T.dynamic("max_blocks"), T.dynamic("cache_blocks")
     R, WIDTH = T.dynamic("rows"), T.dynamic("width")  # B * next_n, MB * bs
+
+    def table_entry(Table, b, at, seen):
+        """The cache block holding position `at` of sequence b, or -1 past what the block's tokens see."""
+        return T.if_then_else(at < seen, Table[b, T.min(at // BS, MB - 1)], -1)
+
+    def cache_block(Table, b, at, seen):
+        """The block a piece at `at` is copied from: its table entry where that is a cache block, else block 0 (its
+        positions get no key); clamped, so that the copy is provably inside the cache (no (named) let: the macro
+        expands once a piece)."""
+        return T.max(T.min(T.if_then_else((table_entry(Table, b, at, seen) >= 0)
+                                          & (table_entry(Table, b, at, seen) < NB), table_entry(Table, b, at, seen), 0),
+                           NB - 1), 0)
+
+    def pieces(count: int):
+        """A macro copying the first `count` pieces of a tile (unrolled here: a copy inside a loop is no TMA)."""
+
+        @T.macro
+        def copy_pieces(K, Kscale, Table, b, tile_start, seen, k_raw, k_scale):
+            if count > 1:
+                pieces(count - 1)(K, Kscale, Table, b, tile_start, seen, k_raw, k_scale)
+            # table entries past the context may be garbage: never followed, nor any outside [0, NB)
+            tm.copied_piece(K, Kscale, (cache_block(Table, b, tile_start + (count - 1) * PIECE, seen),),
+                            (tile_start + (count - 1) * PIECE) % BS, PIECE, (count - 1) * PIECE, k_raw, k_scale)
+
+        return copy_pieces
 
     @T.prim_func
     def paged_mqa_logits(
@@ -390,9 +429,14 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
         Lens: T.Tensor((B, NEXT) if problem.lens_2d else (B,), "int32"),
         Out: st.out_tensor((R, WIDTH)),
     ):
-        with T.Kernel(T.ceildiv(WIDTH, BN), B * CHUNKS, threads=config["threads"]) as (bx, by):
+        with T.Kernel(T.ceildiv(WIDTH, BN * TILES), B * CHUNKS, threads=config["threads"]) as (bx, by):
+            T.assume(NB > 0)  # (paged_args launches nothing for an empty cache)
             b, chunk = by // CHUNKS, by % CHUNKS
-            key_row, key_pos, bounds = _addressing(fl, RW, BN)
+            m0 = b * NEXT + chunk * RW
+            _, key_pos, bounds = _addressing(fl, RW, BN)
+            k_tile, k_scale, q_tile, w_tile, q_scale = tm.buffers()
+            k_raw = tm.key_staging(k_tile)
+            logits = fl.fragment((BN, RW), "float32")
             for j in fl.parallel(RW):  # token chunk * RW + j of sequence b (none past next_n: an empty range)
                 bounds[j, 0] = 0
                 if problem.lens_2d:  # per token: row b * next_n + j sees [0, context_lens[b, j])
@@ -401,18 +445,31 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
                     end = T.Cast("int64", Lens[b]) - NEXT + chunk * RW + j + 1
                     bounds[j, 1] = T.if_then_else(
                         chunk * RW + j < NEXT, T.Cast("int32", T.max(T.min(end, T.Cast("int64", WIDTH)), 0)), 0)
-            seen = T.alloc_var("int32", init=0)  # positions some token of the block sees
+            seen = T.alloc_var("int32", init=0)  # positions some token of the block sees, at most WIDTH
             for j in T.serial(RW):
-                seen = T.max(seen, bounds[j, 1])
-            for n in fl.parallel(BN):
-                # the cache block; table entries past the context may be garbage: never follow them, nor any entry
-                # outside [0, NB) (its positions get no key: -inf)
-                key_row[n] = T.if_then_else(bx * BN + n < seen, Table[b, T.min((bx * BN + n) // BS, MB - 1)], -1)
-                found = (key_row[n] >= 0) & (key_row[n] < NB)
-                key_pos[n] = T.if_then_else(found, bx * BN + n, NO_POSITION)
-                key_row[n] = T.if_then_else(found, key_row[n], 0) * BS + (bx * BN + n) % BS
-            tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, b * NEXT + chunk * RW, b * NEXT + NEXT,
-                 bx * BN, bx * BN + BN - 1, b * NEXT + chunk * RW, bx * BN, WIDTH, Out)
+                seen = T.max(seen, T.min(bounds[j, 1], WIDTH))
+            count = T.min(T.max(T.min(bx * TILES + TILES, T.ceildiv(seen, BN)) - bx * TILES, 0), TILES)
+            tm.queries(Q, Qscale, W, m0, b * NEXT + NEXT, q_tile, w_tile, q_scale)
+            for i in T.Pipelined(count, num_stages=2):
+                if fl.on_gpu:
+                    pieces(BN // PIECE)(K, Kscale, Table, b, (bx * TILES + i) * BN, seen, k_raw, k_scale)
+                else:  # the same copies in a loop (the C target has no TMA to keep; it compiles 2.5-6x faster)
+                    for piece in T.serial(BN // PIECE):
+                        at = (bx * TILES + i) * BN + piece * PIECE
+                        tm.copied_piece(K, Kscale, (cache_block(Table, b, at, seen),), at % BS, PIECE, piece * PIECE,
+                                        k_raw, k_scale)
+                for n in fl.parallel(BN):
+                    at = (bx * TILES + i) * BN + n
+                    page = table_entry(Table, b, at, seen)
+                    key_pos[n] = T.if_then_else((page >= 0) & (page < NB), at, NO_POSITION)
+                tm.decoded_keys(k_raw, k_tile)
+                tm.mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
+                tm.store(logits, key_pos, bounds, b * NEXT + NEXT, m0, m0, (bx * TILES + i) * BN, WIDTH, Out)
+            for t in T.serial(TILES):  # tiles no token of the block sees
+                if t >= count:
+                    for r, n in fl.parallel(RW, BN):
+                        if (m0 + r < b * NEXT + NEXT) & ((bx * TILES + t) * BN + n < WIDTH):
+                            Out[m0 + r, (bx * TILES + t) * BN + n] = st.logit(-T.infinity("float32"))
 
     return paged_mqa_logits
 
@@ -558,7 +615,7 @@ LOGITS_SPACE = Space(
     limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, c["block_m"], c) <= 128},
 )
 PAGED_SPACE = Space(
-    params={"block_n": (64, 128), "block_rows": (1, 2, 4, 8), "threads": (128, 256)},
+    params={"block_n": (64, 128), "block_rows": (1, 2, 4, 8), "tiles": (1, 2, 4, 8, 16), "threads": (128, 256)},
     constraints={"block_rows < 2 x next_n (more would repeat a smaller config)":
                  lambda p, c: c["block_rows"] < 2 * p.next_n},
     gpu_only=("threads",),
@@ -574,26 +631,35 @@ SPARSE_SPACE = Space(
 SMS = 132  # H100 / H200
 
 
+def _tiles_a_block(key_tiles: int, other_blocks: int) -> int:
+    """Key tiles a block streams (its queries loaded once for them): the most, up to 16, that still give every SM a
+    block (one wave at a block an SM), so fixed per-block costs are paid as few times as the SMs allow."""
+    return next((t for t in (16, 8, 4, 2) if -(-key_tiles // t) * other_blocks >= SMS), 1)
+
+
 def logits_default(problem: LogitsProblem) -> dict:
     """128 keys a tile against up to 256 score columns (rows x padded heads; 128 a warpgroup, so a row block reads
-    each key once for as many rows as the registers allow), and the most key tiles a block (Q read once for them)
-    that still leave two blocks per SM. 16 rows of 512K keys: 8 rows a block model at 51 us (tensor), 4 at 59
-    (HBM: each key read 4 times), 2 at 99 (L2)."""
+    each key once for as many rows as the registers allow), `_tiles_a_block` tiles a block. 16 rows of 512K keys: 8
+    rows a block model at 51 us before the head sum's issue is counted, 4 at 59 (HBM: each key read 4 times), 2 at
+    99 (L2)."""
     head_slots = _head_slots(problem.indexer.heads)
     block_m = max(1, min(1 << (problem.rows - 1).bit_length(), 256 // head_slots))
     threads = 256 if block_m * head_slots > 128 else 128
-    row_blocks = -(-problem.rows // block_m)
-    tiles = next((t for t in (16, 8, 4, 2) if -(-problem.keys // (128 * t)) * row_blocks >= 2 * SMS), 1)
+    tiles = _tiles_a_block(-(-problem.keys // 128), -(-problem.rows // block_m))
     return {"block_m": block_m, "block_n": 128, "tiles": tiles, "threads": threads}
 
 
 def paged_default(problem: PagedProblem) -> dict:
-    """128 keys a block; one warpgroup, else two, else 64-key tiles on two, for a sequence's next_n tokens in one
-    block, or for a power of two fewer where all would not fit in the registers (MTP with 64 heads)."""
+    """128 keys a tile; one warpgroup, else two, else 64-key tiles on two, for a sequence's next_n tokens in one
+    block, or for a power of two fewer where all would not fit in the registers (MTP with 64 heads); `_tiles_a_block`
+    tiles a block. 8 sequences of 64K positions: 16 tiles a block model at 19.2 us (HBM, 78% of the roof), 4 at
+    20.0, 1 at 56.0 (latency: each block's queries, table and pipeline filled again)."""
     block_rows = min(8, 1 << (problem.next_n - 1).bit_length())  # next_n rounded up to a power of two
     while True:
         for tile in ({"block_n": 128, "threads": 128}, {"block_n": 128, "threads": 256}, {"block_n": 64, "threads": 256}):
-            config = {**tile, "block_rows": block_rows}
+            sequence_blocks = problem.batch * -(-problem.next_n // block_rows)
+            tiles = _tiles_a_block(-(-problem.width // tile["block_n"]), sequence_blocks)
+            config = {**tile, "block_rows": block_rows, "tiles": tiles}
             if block_rows == 1 or not PAGED_SPACE.violations(problem, config):
                 return config
         block_rows //= 2
