@@ -2,7 +2,8 @@
 
   sinkhorn      logits [..., n, n] fp32 -> near doubly-stochastic matrices (the spec's iteration order)
   mhc_pre       residual streams [T, n, D] bf16 and fn -> PreOutputs(layer_input, pre, post, comb):
-                a GEMM + sum-of-squares launch, then one fused launch for everything after it
+                in one launch: a split-K GEMM + sum of squares whose last split runs the gates, Sinkhorn and
+                the layer input
   mhc_post      out_j = post_j * y + sum_i comb[i, j] * residual_i -> [T, n, D] bf16
   mhc_post_pre  the V4.1 chain: post of one sublayer, then pre of the next
                 -> ChainOutputs(residual, layer_input, pre, post, comb)
@@ -386,7 +387,7 @@ SINKHORN = Operator(
 )
 
 MHC_PRE = Operator(
-    name="mhc_pre", summary="mHC pre: GEMM + sum of squares, then gates, Sinkhorn and layer input fused",
+    name="mhc_pre", summary="mHC pre: GEMM + sum of squares, gates, Sinkhorn and layer input in one launch",
     entry=mhc_pre, reference=ref.mhc_pre,
     implementations=_implementations(triton_mhc.plan_pre, tilelang_mhc.pre_program, tilelang_mhc.pre_args, "pre"),
     check=check_pre, outputs=empty_pre_outputs, make_inputs=make_pre_inputs, compare=compare_outputs, cost=pre_cost,

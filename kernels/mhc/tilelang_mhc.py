@@ -13,30 +13,30 @@ Tile plan:
   sinkhorn   a program per block_b matrices, a thread per matrix holding it in registers (the
              `sinkhorn` macro, also run by the epilogue).
   post       grid (T, cdiv(D, block_d)): a thread per column d of a token reads y and the n residual
-             streams there and writes all n new streams (the `post_column` macro, shared with the GEMM stage).
-  pre, post_pre: two launches.
-    1. GEMM stage, grid (cdiv(T, block_t), splits) with (splits, chunk) = problem.split_plan(D, split_k,
-       block_d) from the host (splits as the partials' first dimension, chunk a scalar argument, so the
-       model reads the loop's trips from its bounds): program (tile, s) walks its chunk of D in block_d steps. Each step fills
-       x [block_t, NS x block_d] (stream j in columns j * block_d ..; NS = n padded to a power of two)
-       from the residual, or for post_pre from the post-mapped residual, which it stores to the new
-       residual first and rounds to bf16; fn [MP, NS x block_d] (MP = (2 + n) n padded to >= 32) the
-       same way; acc [block_t, MP] += x . fn^T (T.gemm, fp32 operands: tf32 on GPU, exact on CPU), and
-       the squares add up elementwise in a [block_t, block_d] tile reduced once at the end. Writes
-       mix_parts[s, t, :] and sq_parts[s, t, 0].
-    2. epilogue, a program per epi_block_t tokens (one source for pre and post_pre):
-       split sums in order s = 0, 1, ..; then a thread per token: rms scale, gates, Sinkhorn, stores;
-       then the layer input over D in epi_block_d tiles: bf16(sum_i p_i res_i), or stream 0's bf16
-       values stored as they are (a select, never a one-hot multiply, which would turn another stream's
-       inf into NaN), its squares summed; with a norm weight a second pass rescales the stored row by
-       rsqrt(mean(li^2) + norm_eps) * w. The collapse and the norm are run-time flags.
+             streams there and writes all n new streams (the `post_column` macro).
+  pre, post_pre: one launch, grid (cdiv(T, block_t), splits), (splits, chunk) = split_plan(D, split_k, block_d).
+    Block (tile, s) walks its chunk of D in block_d steps through T.Pipelined: per stream j a T.copy of the
+    residual tile x_j [block_t, block_d] (TMA on sm_90a; for post_pre the post mapping of the copied residual,
+    stored to the new residual and rounded) and of fn's columns [M, block_d] fp32, split into three bf16 planes
+    hi + mid + lo (each product with x's bf16 values exact in fp32, so the sum is fp32-accurate); acc [block_t,
+    3 M] += x_j planes_j^T (T.gemm: wgmma from shared memory at 64 rows, mma.sync below); the squares, and for
+    "carried" / "stream0" the layer input itself, from the same tile. It writes its partials, then draws a ticket
+    (a barrier, one acq_rel atomic on the tile's counter); the last split to arrive sums the partials in split
+    order, forms the gates and Sinkhorn a thread per token, for "fresh" collapses the residual again (L2 at
+    decode) epi_block_t x epi_block_d at a time (a T.copy to registers), and with a norm rescales the stored rows.
+    Stream 0 is a select, never a one-hot multiply (which would turn another stream's inf into NaN).
+    Bound on an H200: HBM at 8192 tokens (the residual, twice for "fresh"); below, instruction issue of the tiles'
+    epilogues (docs/operators.md section 4).
 T, D and the split count are dynamic and the scalars (iters, the epsilons, post_mult) are run-time
-arguments, so one compiled kernel per source serves every shape. The CPU flavour takes bf16 as uint16
+arguments, so one compiled kernel per source serves every token count and width; the collapse and the norm are
+compile-time. The CPU flavour takes bf16 as uint16
 bits; the index math and the summation order are the same for both targets, and fixed, so repeated
 runs are bitwise identical.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
+from types import SimpleNamespace
+
 import tilelang.language as T
 import torch
 from flashkern.autotune.space import Space
@@ -48,9 +48,6 @@ from flashkern.kernels.mhc.problem import (
     empty_partials,
     split_plan,
 )
-from flashkern.reference.mhc import COLLAPSES
-
-CARRIED, STREAM0 = COLLAPSES.index("carried"), COLLAPSES.index("stream0")  # the epilogue's `collapse` flag
 
 
 def _mix_slots(streams: int) -> int:
@@ -75,20 +72,22 @@ def _sinkhorn_macro(n: int):
                 sums[i] = sums[i] + m[i * n + j]
             for j in T.unroll(n):
                 m[i * n + j] = m[i * n + j] / sums[i] + eps
-        for it in T.serial(iters):
+        for it in T.serial(iters):  # a reciprocal a row or column, then products: n divisions, not n * n
             if it > 0:
                 for i in T.unroll(n):
                     sums[i] = 0.0
                     for j in T.unroll(n):
                         sums[i] = sums[i] + m[i * n + j]
+                    sums[i] = 1.0 / (sums[i] + eps)
                 for k in T.unroll(n * n):
-                    m[k] = m[k] / (sums[k // n] + eps)
+                    m[k] = m[k] * sums[k // n]
             for j in T.unroll(n):
                 sums[j] = 0.0
                 for i in T.unroll(n):
                     sums[j] = sums[j] + m[i * n + j]
+                sums[j] = 1.0 / (sums[j] + eps)
             for k in T.unroll(n * n):
-                m[k] = m[k] / (sums[k % n] + eps)
+                m[k] = m[k] * sums[k % n]
 
     return sinkhorn
 
@@ -183,115 +182,311 @@ def post_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out)
             fl.bf16_arg(out)]
 
 
-# ---------------------------------------------------------------- pre / post_pre: the GEMM stage
+# ---------------------------------------------------------------- pre / post_pre: one launch
 
 
-def _gemm_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
-    """Split-K partials of x @ fn^T and of sum(x^2) (module docstring, stage 1).
+def _plane_rows(mixes: int, block_t: int) -> int:
+    """Rows of the GEMM's fn operand: the (2 + n) n mixes three times (fn's bf16 planes hi, mid, lo), padded to 8
+    (wgmma's N step), or to 32 below 64 token rows (mma.sync, 8 columns a warp)."""
+    step = 8 if block_t >= 64 else 32
+    return -(-3 * mixes // step) * step
 
-    post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way.
+
+def _threads(config: dict) -> int:
+    """A warpgroup (128 threads) per 64 token rows (wgmma's M side); one below 64 rows (mma.sync)."""
+    return max(128, 2 * config["block_t"])
+
+
+def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
+    """The split-K GEMM pass over a token tile and, in the tile's last split to count in, the epilogue (module
+    docstring). post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way.
+
+    The collapse and the norm are the problem's: PreIn [rows, n] is read only for "carried" (rows = T), Norm [width]
+    only with has_norm (width = D); otherwise they are 1-row placeholders.
     """
-    n, M, MP, NS = problem.streams, problem.mixes, _mix_slots(problem.streams), next_power_of_2(problem.streams)
-    BT, BD = config["block_t"], config["block_d"]
-    K = NS * BD
+    n, M = problem.streams, problem.mixes
+    W = _plane_rows(M, config["block_t"])
+    BT, BD, stages = config["block_t"], config["block_d"], config["num_stages"]
+    ET, ED = config["epi_block_t"], config["epi_block_d"]
     NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
-    post_column = _post_macro(n, fl)
+    PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
+    plane = "bfloat16" if fl.on_gpu else "float32"  # the C target multiplies the same rounded values in fp32
+    sinkhorn = _sinkhorn_macro(n)
+
+    def streams(macro, *args):
+        """macro(j, *args) for every stream j, unrolled here: a T.copy into a buffer of a list needs a Python index."""
+        for j in range(n):
+            macro(j, *args)
 
     @T.macro
-    def stage(Y, Res, Post, Comb, NewRes, Fn, MixParts, SqParts, chunk, bx, s):
-        x = fl.shared((BT, K), "float32")
-        w = fl.shared((MP, K), "float32")
-        acc = fl.fragment((BT, MP), "float32")
-        squares = fl.fragment((BT, BD), "float32")
-        sq = fl.fragment((BT,), "float32")
-        res = T.alloc_local((n,), "float32")
-        out = T.alloc_local((n,), "float32")
-        for r, m in fl.parallel(BT, MP):
-            acc[r, m] = 0.0
+    def load_stream(j, Src, tiles, t0, d0):
+        T.copy(Src[t0:t0 + BT, j, d0:d0 + BD], tiles[j])
+
+    @T.macro
+    def load_rows(j, Src, b, t, d0):
+        """Stream j of the epilogue's [ET, ED] tile at rows t.., columns d0..: registers (0 past the ends)."""
+        T.copy(Src[t:t + ET, j, d0:d0 + ED], b.rows[j])
+
+    @T.macro
+    def post_stream(j, Y, Res, NewRes, b, t0, d0):
+        """x_j <- bf16(sum_i comb[i, j] res_i + post_j y) over the tile, stored to NewRes."""
         for r, d in fl.parallel(BT, BD):
-            squares[r, d] = 0.0
-        for kd in T.serial(T.ceildiv(T.min(D - s * chunk, chunk), BD)):  # the split's columns
+            value = fl.round_bf16(sum([b.mixing[r, i * n + j] * fl.load_bf16(b.res[i][r, d]) for i in range(n)])
+                                  + b.gates[r, j] * fl.load_bf16(b.y[r, d]))
+            b.x[j][r, d] = fl.store_bf16(value)
+            if (t0 + r < NT) & (d0 + d < D):
+                NewRes[t0 + r, j, d0 + d] = fl.store_bf16(value)
+
+    @T.macro
+    def load_residual(j, Res, b, t0, d0):
+        T.copy(Res[t0:t0 + BT, j, d0:d0 + BD], b.res[j])
+
+    @T.macro
+    def fn_planes(j, Fn, b, d0):
+        """fn's columns of stream j as three bf16 planes, hi + mid + lo: their products with x's bf16 values are
+        exact in fp32. Rows past 3 M stay 0."""
+        T.copy(Fn[0:M, j, d0:d0 + BD], b.f[j])
+        for m, d in fl.parallel(M, BD):
+            hi = T.alloc_var("float32")
+            mid = T.alloc_var("float32")
+            hi = fl.round_bf16(b.f[j][m, d])
+            mid = fl.round_bf16(b.f[j][m, d] - hi)
+            b.w[j][m, d] = T.Cast(plane, hi)
+            b.w[j][M + m, d] = T.Cast(plane, mid)
+            b.w[j][2 * M + m, d] = T.Cast(plane, fl.round_bf16(b.f[j][m, d] - hi - mid))
+
+    @T.macro
+    def clear_padding(j, b):
+        for m, d in fl.parallel(W - 3 * M, BD):
+            b.w[j][3 * M + m, d] = T.Cast(plane, 0.0)
+
+    @T.macro
+    def mma(j, b):
+        """acc += x_j w_j^T: wgmma from shared memory on sm_90a."""
+        if fl.on_gpu:
+            T.gemm(b.x[j], b.w[j], b.acc, transpose_B=True)
+        else:  # the C target's gemm multiplies fp32: x's bf16 bits decoded
+            for r, d in T.grid(BT, BD):
+                b.xf[r, d] = fl.load_bf16(b.x[j][r, d])
+            T.gemm(b.xf, b.w[j], b.acc, transpose_B=True)
+
+    @T.macro
+    def split_pass(Y, Res, PostIn, CombIn, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, chunk, bx, s, b):
+        """Partial mixes and squares of split s of token tile bx; the layer input where it needs no gates."""
+        t0 = bx * BT
+        for r, i in fl.parallel(BT, n):
+            b.carried[r, i] = PreIn[T.min(t0 + r, PR - 1), i]
+            if post_first:
+                b.gates[r, i] = PostIn[T.min(t0 + r, NT - 1), i]
+        if post_first:
+            for r, k in fl.parallel(BT, n * n):
+                b.mixing[r, k] = CombIn[T.min(t0 + r, NT - 1), k // n, k % n]
+        if W > 3 * M:
+            streams(clear_padding, b)
+        T.clear(b.acc)
+        T.clear(b.squares)
+        if problem.collapse != "fresh":
+            T.clear(b.li_squares)
+        for kd in T.Pipelined(T.ceildiv(T.min(D - s * chunk, chunk), BD), num_stages=stages):
             d0 = s * chunk + kd * BD
+            if post_first:
+                streams(load_residual, Res, b, t0, d0)
+                T.copy(Y[t0:t0 + BT, d0:d0 + BD], b.y)
+                streams(post_stream, Y, Res, NewRes, b, t0, d0)
+            else:
+                streams(load_stream, Res, b.x, t0, d0)
+            streams(fn_planes, Fn, b, d0)
             for r, d in fl.parallel(BT, BD):
-                if (bx * BT + r < NT) & (d0 + d < D):
-                    if post_first:
-                        post_column(Y, Res, Post, Comb, NewRes, bx * BT + r, d0 + d, res, out)
+                b.squares[r, d] = b.squares[r, d] + sum([fl.load_bf16(b.x[j][r, d]) * fl.load_bf16(b.x[j][r, d])
+                                                         for j in range(n)])
+                if problem.collapse != "fresh":  # needs no gates: stored from this tile, no second residual read
+                    li = T.alloc_var("float32")
+                    if problem.collapse == "stream0":  # a select, never a one-hot multiply: stream 0's bits as they are
+                        li = fl.load_bf16(b.x[0][r, d])
+                        if (t0 + r < NT) & (d0 + d < D):
+                            LayerInput[t0 + r, d0 + d] = b.x[0][r, d]
                     else:
-                        for j in T.unroll(n):
-                            out[j] = fl.load_bf16(Res[bx * BT + r, j, d0 + d])
-                else:
-                    for j in T.unroll(n):
-                        out[j] = 0.0
-                for j in T.unroll(NS):
-                    x[r, j * BD + d] = T.if_then_else(j < n, out[T.min(j, n - 1)], 0.0)
-                for j in T.unroll(n):
-                    squares[r, d] = squares[r, d] + out[j] * out[j]
-            for m, k in fl.parallel(MP, K):
-                w[m, k] = T.if_then_else(
-                    (m < M) & (k // BD < n) & (d0 + k % BD < D),
-                    Fn[T.min(m, M - 1), T.min(k // BD, n - 1), T.min(d0 + k % BD, D - 1)], 0.0)
-            T.gemm(x, w, acc, transpose_B=True)
-        T.reduce_sum(squares, sq, dim=1)
-        for r, m in fl.parallel(BT, MP):
-            if (bx * BT + r < NT) & (m < M):
-                MixParts[s, bx * BT + r, m] = acc[r, m]
+                        li = fl.round_bf16(sum([b.carried[r, j] * fl.load_bf16(b.x[j][r, d]) for j in range(n)]))
+                        if (t0 + r < NT) & (d0 + d < D):
+                            LayerInput[t0 + r, d0 + d] = fl.store_bf16(li)
+                    b.li_squares[r, d] = b.li_squares[r, d] + li * li
+            streams(mma, b)
+        T.reduce_sum(b.squares, b.sq, dim=1)
+        if problem.collapse != "fresh":
+            T.reduce_sum(b.li_squares, b.li_sq, dim=1)
+        T.copy(b.acc, b.mixes)
+        for r, m in fl.parallel(BT, M):
+            if t0 + r < NT:
+                MixParts[s, t0 + r, m] = b.mixes[r, m] + (b.mixes[r, M + m] + b.mixes[r, 2 * M + m])
         for r in fl.parallel(BT):
-            if bx * BT + r < NT:
-                SqParts[s, bx * BT + r, 0] = sq[r]
+            if t0 + r < NT:
+                SqParts[s, t0 + r, 0] = b.sq[r]
+                if problem.collapse != "fresh":
+                    SqParts[s, t0 + r, 1] = b.li_sq[r]
+
+    @T.macro
+    def arrive(Tickets, bx, ticket):
+        """ticket[0] <- how many of tile bx's splits counted in before this one (a CTA barrier, then one acq_rel
+        atomic: the split that draws SP - 1 sees every partial)."""
+        if fl.on_gpu:
+            T.sync_threads()
+            if T.get_thread_binding() == 0:
+                ticket[0] = T.atomic_add(Tickets[bx], 1, memory_order="acq_rel", return_prev=True)
+            T.sync_threads()
+        else:
+            ticket[0] = T.atomic_add(Tickets[bx], 1, return_prev=True)
+
+    @T.macro
+    def epilogue(Src, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb, rms_eps, pre_eps,
+                 sinkhorn_eps, post_mult, iters, norm_eps, bx, b):
+        """Gates, Sinkhorn and what is left of the layer input of tile bx, from every split's partials."""
+        t0 = bx * BT
+        m = T.alloc_local((n * n,), "float32")
+        sums = T.alloc_local((n,), "float32")
+        total = T.alloc_var("float32")
+        rstd = T.alloc_var("float32")
+        gate = T.alloc_var("float32")
+        # 1. split sums, in split order
+        for r, k in fl.parallel(BT, M):
+            total = 0.0
+            if t0 + r < NT:
+                for s in T.serial(SP):
+                    total = total + MixParts[s, t0 + r, k]
+            b.mix[r, k] = total
+        # 2. a thread per token: rms scale, gates, Sinkhorn; the pre as the collapse weights; the layer input's
+        #    squares where the splits summed them
+        for r in fl.parallel(BT):
+            if t0 + r < NT:  # rows past the tokens idle
+                total = 0.0
+                for s in T.serial(SP):
+                    total = total + SqParts[s, t0 + r, 0]
+                rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
+                if problem.collapse != "fresh" and problem.has_norm:
+                    total = 0.0
+                    for s in T.serial(SP):
+                        total = total + SqParts[s, t0 + r, 1]
+                    b.li_rows[r] = total
+                for i in T.unroll(n):
+                    gate = 1.0 / (1.0 + T.exp(-(b.mix[r, i] * rstd * Scale[0] + Base[i]))) + pre_eps
+                    b.carried[r, i] = gate
+                    Pre[t0 + r, i] = gate
+                    Post[t0 + r, i] = 1.0 / (1.0 + T.exp(-(b.mix[r, n + i] * rstd * Scale[1] + Base[n + i]))) * post_mult
+                for k in T.unroll(n * n):
+                    m[k] = b.mix[r, 2 * n + k] * rstd * Scale[2] + Base[2 * n + k]
+                sinkhorn(m, sums, iters, sinkhorn_eps)
+                for k in T.unroll(n * n):
+                    Comb[t0 + r, k // n, k % n] = m[k]
+        # 3. "fresh": layer input = bf16(sum_i pre_i res_i), the residual read again (L2 at decode), in [ET, ED]
+        #    tiles of the tile's rows that hold tokens
+        if problem.collapse == "fresh":
+            for rows in T.serial(T.ceildiv(T.min(NT - t0, BT), ET)):
+                T.clear(b.li_tile)
+                for kd in T.serial(T.ceildiv(D, ED)):
+                    streams(load_rows, Src, b, t0 + rows * ET, kd * ED)
+                    for r, d in fl.parallel(ET, ED):
+                        b.li_row[r, d] = fl.round_bf16(sum([b.carried[rows * ET + r, i] * fl.load_bf16(b.rows[i][r, d])
+                                                            for i in range(n)]))
+                        b.li_tile[r, d] = b.li_tile[r, d] + b.li_row[r, d] * b.li_row[r, d]
+                    for r, d in fl.parallel(ET, ED):
+                        if (t0 + rows * ET + r < NT) & (kd * ED + d < D):
+                            LayerInput[t0 + rows * ET + r, kd * ED + d] = fl.store_bf16(b.li_row[r, d])
+                T.reduce_sum(b.li_tile, b.li_part, dim=1)
+                for r in fl.parallel(ET):
+                    b.li_rows[rows * ET + r] = b.li_part[r]
+        # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
+        if problem.has_norm:
+            for r in fl.parallel(BT):
+                b.li_rows[r] = 1.0 / T.sqrt(b.li_rows[r] / T.Cast("float32", D) + norm_eps)
+            if fl.on_gpu:
+                T.sync_threads()  # the rows were stored by other threads
+            for rows in T.serial(T.ceildiv(T.min(NT - t0, BT), ET)):
+                for kd in T.serial(T.ceildiv(D, ED)):
+                    for r, d in fl.parallel(ET, ED):
+                        if (t0 + rows * ET + r < NT) & (kd * ED + d < D):
+                            LayerInput[t0 + rows * ET + r, kd * ED + d] = fl.store_bf16(
+                                fl.load_bf16(LayerInput[t0 + rows * ET + r, kd * ED + d]) * b.li_rows[rows * ET + r]
+                                * fl.load_bf16(Norm[T.min(kd * ED + d, DN - 1)]))
+
+    def buffers():
+        """The block's buffers (shared memory and fragments on the GPU)."""
+        return SimpleNamespace(
+            x=[fl.shared((BT, BD), fl.bf16) for _ in range(n)],  # the GEMM's A side, a tile per stream
+            res=[fl.shared((BT, BD), fl.bf16) for _ in range(n if post_first else 0)],  # the residual post maps
+            y=fl.shared((BT, BD) if post_first else (1, 1), fl.bf16),
+            gates=fl.shared((BT, n), "float32"),  # post_first: the incoming post
+            mixing=fl.shared((BT, n * n), "float32"),  # post_first: the incoming comb
+            carried=fl.shared((BT, n), "float32"),  # the layer input's collapse weights
+            f=[fl.shared((M, BD), "float32") for _ in range(n)],  # fn's columns of the step
+            w=[fl.shared((W, BD), plane) for _ in range(n)],  # the B side: row p M + m is plane p of mix m
+            xf=fl.shared((BT, BD) if not fl.on_gpu else (1, 1), "float32"),  # the C target's decoded A side
+            acc=fl.fragment((BT, W), "float32"),
+            mixes=fl.shared((BT, W), "float32"),
+            mix=fl.shared((BT, M), "float32"),
+            li_rows=fl.shared((BT,), "float32"),  # the layer input's squares, then its norm's scale
+            squares=fl.fragment((BT, BD), "float32"),
+            sq=fl.fragment((BT,), "float32"),
+            **(dict(  # the epilogue's residual rows, layer input and its squares
+                rows=[fl.fragment((ET, ED), fl.bf16) for _ in range(n)],
+                li_row=fl.fragment((ET, ED), "float32"),
+                li_tile=fl.fragment((ET, ED), "float32"),
+                li_part=fl.fragment((ET,), "float32"),
+            ) if problem.collapse == "fresh" else dict(  # the split pass's layer input squares
+                li_squares=fl.fragment((BT, BD), "float32"),
+                li_sq=fl.fragment((BT,), "float32"),
+            )),
+            ticket=fl.shared((1,), "int32"),
+        )
+
+    @T.macro
+    def fused(Y, Res, PostIn, CombIn, NewRes, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm, LayerInput,
+              Pre, Post, Comb, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, chunk,
+              bx, s):
+        if problem.hidden % 8 == 0:  # rows of 16-byte multiples: the tiles' copies can be TMA
+            T.assume(D % 8 == 0)
+        b = buffers()
+        split_pass(Y, Res, PostIn, CombIn, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, chunk, bx, s, b)
+        arrive(Tickets, bx, b.ticket)
+        if b.ticket[0] == SP - 1:
+            epilogue(NewRes if post_first else Res, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb,
+                     rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, bx, b)
 
     if post_first:
         @T.prim_func
-        def mhc_post_gemm(
+        def mhc_post_pre(
             Y: T.Tensor((NT, D), fl.bf16),
             Res: T.Tensor((NT, n, D), fl.bf16),
-            Post: T.Tensor((NT, n), "float32"),
-            Comb: T.Tensor((NT, n, n), "float32"),
-            Fn: T.Tensor((M, n, D), "float32"),
+            PostIn: T.Tensor((NT, n), "float32"),
+            CombIn: T.Tensor((NT, n, n), "float32"),
             NewRes: T.Tensor((NT, n, D), fl.bf16),
+            Fn: T.Tensor((M, n, D), "float32"),
             MixParts: T.Tensor((SP, NT, M), "float32"),
             SqParts: T.Tensor((SP, NT, 2), "float32"),
-            chunk: T.int32,
+            Tickets: T.Tensor((T.ceildiv(NT, BT),), "int32"),
+            Scale: T.Tensor((3,), "float32"),
+            Base: T.Tensor((M,), "float32"),
+            PreIn: T.Tensor((PR, n), "float32"),
+            Norm: T.Tensor((DN,), fl.bf16),
+            LayerInput: T.Tensor((NT, D), fl.bf16),
+            Pre: T.Tensor((NT, n), "float32"),
+            Post: T.Tensor((NT, n), "float32"),
+            Comb: T.Tensor((NT, n, n), "float32"),
+            rms_eps: T.float32, pre_eps: T.float32, sinkhorn_eps: T.float32, post_mult: T.float32, iters: T.int32,
+            norm_eps: T.float32, chunk: T.int32,
         ):
-            with T.Kernel(T.ceildiv(NT, BT), SP, threads=config["threads"]) as (bx, s):
-                stage(Y, Res, Post, Comb, NewRes, Fn, MixParts, SqParts, chunk, bx, s)
+            with T.Kernel(T.ceildiv(NT, BT), SP, threads=_threads(config)) as (bx, s):
+                fused(Y, Res, PostIn, CombIn, NewRes, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm,
+                      LayerInput, Pre, Post, Comb, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
+                      chunk, bx, s)
 
-        return mhc_post_gemm
+        return mhc_post_pre
 
     @T.prim_func
-    def mhc_gemm(
+    def mhc_pre(
         Res: T.Tensor((NT, n, D), fl.bf16),
         Fn: T.Tensor((M, n, D), "float32"),
         MixParts: T.Tensor((SP, NT, M), "float32"),
         SqParts: T.Tensor((SP, NT, 2), "float32"),
-        chunk: T.int32,
-    ):
-        with T.Kernel(T.ceildiv(NT, BT), SP, threads=config["threads"]) as (bx, s):
-            stage(None, Res, None, None, None, Fn, MixParts, SqParts, chunk, bx, s)
-
-    return mhc_gemm
-
-
-# ---------------------------------------------------------------- pre / post_pre: the epilogue
-
-
-def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
-    """Gates, Sinkhorn and the layer input from the split partials (module docstring, stage 2).
-
-    collapse (the index of problem.collapse in COLLAPSES) and has_norm are run-time flags: PreIn [rows, n] is
-    read only when collapse is CARRIED (rows = T), Norm [width] only with has_norm (width = D); otherwise they
-    are 1-row placeholders.
-    """
-    n, M = problem.streams, problem.mixes
-    ET, EBD = config["epi_block_t"], config["epi_block_d"]
-    NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP: the GEMM stage's splits
-    PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
-    sinkhorn = _sinkhorn_macro(n)
-
-    @T.prim_func
-    def mhc_epilogue(
-        Res: T.Tensor((NT, n, D), fl.bf16),
-        MixParts: T.Tensor((SP, NT, M), "float32"),
-        SqParts: T.Tensor((SP, NT, 2), "float32"),
+        Tickets: T.Tensor((T.ceildiv(NT, BT),), "int32"),
         Scale: T.Tensor((3,), "float32"),
         Base: T.Tensor((M,), "float32"),
         PreIn: T.Tensor((PR, n), "float32"),
@@ -300,161 +495,69 @@ def _epilogue_program(problem: MhcProblem, config: dict, fl: Flavour):
         Pre: T.Tensor((NT, n), "float32"),
         Post: T.Tensor((NT, n), "float32"),
         Comb: T.Tensor((NT, n, n), "float32"),
-        rms_eps: T.float32,
-        pre_eps: T.float32,
-        sinkhorn_eps: T.float32,
-        post_mult: T.float32,
-        iters: T.int32,
-        norm_eps: T.float32,
-        collapse: T.int32,
-        has_norm: T.int32,
+        rms_eps: T.float32, pre_eps: T.float32, sinkhorn_eps: T.float32, post_mult: T.float32, iters: T.int32,
+        norm_eps: T.float32, chunk: T.int32,
     ):
-        with T.Kernel(T.ceildiv(NT, ET), threads=config["epi_threads"]) as bx:
-            mix = fl.shared((ET, M), "float32")
-            p = fl.shared((ET, n), "float32")  # the collapse weights
-            inv_rms = fl.shared((ET,), "float32")
-            squares = fl.fragment((ET, EBD), "float32")
-            sq = fl.fragment((ET,), "float32")
-            m = T.alloc_local((n * n,), "float32")
-            sums = T.alloc_local((n,), "float32")
-            total = T.alloc_var("float32")
-            rstd = T.alloc_var("float32")
-            gate = T.alloc_var("float32")
+        with T.Kernel(T.ceildiv(NT, BT), SP, threads=_threads(config)) as (bx, s):
+            fused(None, Res, None, None, None, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm, LayerInput,
+                  Pre, Post, Comb, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, chunk, bx, s)
 
-            # 1. split sums, in split order
-            for r, k in fl.parallel(ET, M):
-                total = 0.0
-                for s in T.serial(SP):
-                    total = total + MixParts[s, T.min(bx * ET + r, NT - 1), k]
-                mix[r, k] = total
-
-            # 2. a thread per token: rms scale, gates, Sinkhorn
-            for r in fl.parallel(ET):
-                t = T.min(bx * ET + r, NT - 1)
-                total = 0.0
-                for s in T.serial(SP):
-                    total = total + SqParts[s, t, 0]
-                rstd = 1.0 / T.sqrt(total / T.Cast("float32", n * D) + rms_eps)
-                for i in T.unroll(n):
-                    gate = 1.0 / (1.0 + T.exp(-(mix[r, i] * rstd * Scale[0] + Base[i]))) + pre_eps
-                    p[r, i] = T.if_then_else(collapse == CARRIED, PreIn[T.min(t, PR - 1), i], gate)
-                    if bx * ET + r < NT:
-                        Pre[t, i] = gate
-                        Post[t, i] = 1.0 / (1.0 + T.exp(-(mix[r, n + i] * rstd * Scale[1] + Base[n + i]))) * post_mult
-                for k in T.unroll(n * n):
-                    m[k] = mix[r, 2 * n + k] * rstd * Scale[2] + Base[2 * n + k]
-                sinkhorn(m, sums, iters, sinkhorn_eps)
-                if bx * ET + r < NT:
-                    for k in T.unroll(n * n):
-                        Comb[t, k // n, k % n] = m[k]
-
-            # 3. layer input = bf16(sum_i p_i res_i) or stream 0 as it is, stored; the squares of the stored values
-            #    add up
-            for r, d in fl.parallel(ET, EBD):
-                squares[r, d] = 0.0
-            for kd in T.serial(T.ceildiv(D, EBD)):
-                for r, d in fl.parallel(ET, EBD):
-                    if (bx * ET + r < NT) & (kd * EBD + d < D):
-                        if collapse == STREAM0:
-                            LayerInput[bx * ET + r, kd * EBD + d] = Res[bx * ET + r, 0, kd * EBD + d]
-                            total = fl.load_bf16(Res[bx * ET + r, 0, kd * EBD + d])
-                        else:
-                            total = 0.0
-                            for i in T.unroll(n):
-                                total = total + p[r, i] * fl.load_bf16(Res[bx * ET + r, i, kd * EBD + d])
-                            total = fl.round_bf16(total)
-                            LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(total)
-                        squares[r, d] = squares[r, d] + total * total
-
-            # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
-            if has_norm != 0:
-                T.reduce_sum(squares, sq, dim=1)
-                for r in fl.parallel(ET):
-                    inv_rms[r] = 1.0 / T.sqrt(sq[r] / T.Cast("float32", D) + norm_eps)
-                if fl.on_gpu:
-                    T.sync_threads()  # the rows were stored by other threads
-                for kd in T.serial(T.ceildiv(D, EBD)):
-                    for r, d in fl.parallel(ET, EBD):
-                        if (bx * ET + r < NT) & (kd * EBD + d < D):
-                            LayerInput[bx * ET + r, kd * EBD + d] = fl.store_bf16(
-                                fl.load_bf16(LayerInput[bx * ET + r, kd * EBD + d]) * inv_rms[r]
-                                * fl.load_bf16(Norm[T.min(kd * EBD + d, DN - 1)]))
-
-    return mhc_epilogue
+    return mhc_pre
 
 
-def _epilogue_args(problem: MhcProblem, inputs: dict, fl: Flavour, residual, partials, outputs) -> list:
-    """Epilogue arguments: residual is the stage's input (the new residual for post_pre); outputs the
-    (layer_input, pre, post, comb) to fill."""
+def _fused_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, outputs) -> list:
+    """The launch's arguments after the GEMM's input: outputs the (layer_input, pre, post, comb) to fill."""
+    residual = inputs["residual"]
     device = residual.device
+    splits, chunk = split_plan(problem.hidden, config["split_k"], config["block_d"])
+    tickets = torch.zeros(-(-problem.tokens // config["block_t"]), dtype=torch.int32, device=device)  # per call
     pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, problem.streams), device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.zeros(1, dtype=torch.bfloat16, device=device)
     layer_input, pre, post, comb = outputs
-    return [fl.bf16_arg(residual), *partials, inputs["hc_scale"], inputs["hc_base"], pre_in, fl.bf16_arg(norm),
-            fl.bf16_arg(layer_input), pre, post, comb, float(inputs["rms_eps"]), float(inputs["pre_eps"]),
-            float(inputs["sinkhorn_eps"]), float(inputs["post_mult"]), int(inputs["iters"]),
-            float(inputs["norm_eps"]), COLLAPSES.index(problem.collapse), int(problem.has_norm)]
-
-
-def _partials(problem: MhcProblem, config: dict, device):
-    """The GEMM stage's partial sums, one slice per split of the config's plan, and its chunk of columns."""
-    splits, chunk = split_plan(problem.hidden, config["split_k"], config["block_d"])
-    return empty_partials(problem, splits, device), chunk
-
-
-def _fn_arg(problem: MhcProblem, fn):
-    """fn [(2+n)n, n * D] as the kernels take it: [(2+n)n, n, D]."""
-    return fn.view(problem.mixes, problem.streams, problem.hidden)
+    fn = inputs["fn"].view(problem.mixes, problem.streams, problem.hidden)
+    return [fl.tma_arg(fn), *empty_partials(problem, splits, device), tickets, inputs["hc_scale"],
+            inputs["hc_base"], pre_in, fl.bf16_arg(norm), fl.bf16_arg(layer_input), pre, post, comb,
+            float(inputs["rms_eps"]), float(inputs["pre_eps"]), float(inputs["sinkhorn_eps"]),
+            float(inputs["post_mult"]), int(inputs["iters"]), float(inputs["norm_eps"]),
+            chunk]
 
 
 def pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    """(GEMM stage over the residual, epilogue)."""
-    return _gemm_program(problem, config, fl, post_first=False), _epilogue_program(problem, config, fl)
+    return _fused_program(problem, config, fl, post_first=False)
 
 
 def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
         return None
-    residual = inputs["residual"]
-    partials, chunk = _partials(problem, config, residual.device)
-    gemm = [fl.bf16_arg(residual), _fn_arg(problem, inputs["fn"]), *partials, chunk]
-    return gemm, _epilogue_args(problem, inputs, fl, residual, partials, out)
+    return [fl.bf16_arg(fl.tma_arg(inputs["residual"])), *_fused_args(problem, inputs, config, fl, out)]
 
 
 def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    """(GEMM stage over the post-mapped residual, which it stores; the epilogue of mhc_pre over that)."""
-    return _gemm_program(problem, config, fl, post_first=True), _epilogue_program(problem, config, fl)
+    return _fused_program(problem, config, fl, post_first=True)
 
 
 def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
         return None
-    residual = inputs["residual"]
-    partials, chunk = _partials(problem, config, residual.device)
-    gemm = [fl.bf16_arg(inputs["y"]), fl.bf16_arg(residual), inputs["post"], inputs["comb"],
-            _fn_arg(problem, inputs["fn"]), fl.bf16_arg(out.residual), *partials, chunk]
-    return gemm, _epilogue_args(problem, inputs, fl, out.residual, partials, out[1:])
+    return [fl.bf16_arg(fl.tma_arg(inputs["y"])), fl.bf16_arg(fl.tma_arg(inputs["residual"])), inputs["post"],
+            inputs["comb"], fl.bf16_arg(out.residual), *_fused_args(problem, inputs, config, fl, out[1:])]
 
 
 # ---------------------------------------------------------------- tuning spaces
 
 # GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a, n = 4): sinkhorn 37..40 and post
-# 46 registers across their spaces (sinkhorn 89 at n = 8); the epilogue 48 (96 at n = 8; with epi_block_t > 1
-# the norm's row sums take a 4 x epi_block_t byte stack frame, not a spill). The GEMM stage unrolls its tile
-# loads, so its registers grow with the x loads per thread (block_t x block_d / threads, n residual reads each,
-# more with the post mapping) and the fn loads (MP x NS x block_d / threads). At (x, fn) loads per thread:
-#   post_pre  (4, 8) 100, (4, 32) 141, (8, 16) 156, (8, 32) 164..168, (16, 32) 230, (8, 64) 254
-#   pre       (8, 16) 96, (4, 32) 156, (8, 32) 164..168, (16, 32) 168
-# none spilling, but the last ones sit at the 255 cap: at most 8 and 32 then, which also bounds shared memory
-# ((block_t + MP) x NS x block_d fp32 tiles) to 96 KiB. The MMA (fp32 operands: tf32 mma.sync 16 x 8 x 8, no
-# wgmma) needs the warps to tile [block_t, MP] in 16 x 8 pieces.
+# 46 registers across their spaces (sinkhorn 89 at n = 8).
 
 
-def _gemm_loads(problem: MhcProblem, config: dict) -> tuple[int, int]:
-    """Per-thread loads of one GEMM-stage step: (x elements, fn elements)."""
-    per_step = config["block_d"] * next_power_of_2(problem.streams)
-    return (config["block_t"] * config["block_d"] // config["threads"],
-            _mix_slots(problem.streams) * per_step // config["threads"])
+def _shared_bytes(problem: MhcProblem, config: dict) -> int:
+    """Shared memory of the one pre launch: the x (and, post_first, residual) tiles and fn's fp32 columns per
+    pipeline stage, fn's planes, the accumulator's copy."""
+    n, M, BT, BD = problem.streams, problem.mixes, config["block_t"], config["block_d"]
+    staged = n * BT * BD * 2 * 2 + BT * BD * 2 + n * M * BD * 4  # x and the post's residual, y, fn (bytes)
+    return config["num_stages"] * staged + (n * BD * 2 + BT * 4) * _plane_rows(M, BT)
+
+
+SHARED_LIMIT = 200 * 1024  # of the 227 KiB a block may take on sm_90a, room for the small buffers and barriers
 
 
 SINKHORN_SPACE = Space(
@@ -482,33 +585,28 @@ def post_default(problem: MhcProblem) -> dict:
 
 
 PRE_SPACE = Space(
-    params={"block_t": (16, 32, 64), "block_d": (8, 16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32),
-            "threads": (128, 256), "epi_block_t": (1, 2, 4), "epi_block_d": (128, 256, 512, 1024),
-            "epi_threads": (128, 256)},
-    gpu_only=("threads", "epi_threads"),
-    limits={
-        "warps <= (block_t / 16) x (MP / 8) (MMA pieces)":
-            lambda p, c: c["threads"] // 32 <= c["block_t"] // 16 * (_mix_slots(p.streams) // 8),
-        "block_t x block_d / threads <= 8 (registers)": lambda p, c: _gemm_loads(p, c)[0] <= 8,
-        "MP x NS x block_d / threads <= 32 (registers)": lambda p, c: _gemm_loads(p, c)[1] <= 32,
-        "epi_threads <= epi_block_t x epi_block_d (a thread per element)":
-            lambda p, c: c["epi_threads"] <= c["epi_block_t"] * c["epi_block_d"],
-    },
+    params={"block_t": (16, 32, 64, 128), "block_d": (16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32), "num_stages": (1, 2, 3),
+            "epi_block_t": (1, 2, 4, 8), "epi_block_d": (256, 512, 1024, 2048)},
+    gpu_only=("num_stages",),
+    limits={"shared memory <= 200 KiB": lambda p, c: _shared_bytes(p, c) <= SHARED_LIMIT},
 )
 
 SMS = 132  # H100 / H200
 
 
 def pre_default(problem: MhcProblem) -> dict:
-    """64-token tiles, 8 warps, the widest block_d within the register limits; from D = 1024 on (smaller D gains
-    nothing from splitting) split_k so that tiles x splits is about 2 x SMS, with at least 4 block_d steps a split
-    (decode: 32 splits; prefill of 8192 tokens: 2); an epilogue program per token, 512 columns a step.
-    Few distinct configs, so the tests compile few kernels."""
-    config = next(c for c in (
-        {"block_t": 64, "block_d": block_d, "split_k": 1, "threads": 256, "epi_block_t": 1, "epi_block_d": 512,
-         "epi_threads": 128} for block_d in (32, 16, 8)) if not PRE_SPACE.violations(problem, c))
+    """Token tiles of 16 rows (mma.sync) up to 2048 tokens, where the epilogue's collapse, spread over the tiles,
+    outweighs the GEMM; 64 (a warpgroup's wgmma) above. The widest block_d that fits shared memory in 2 stages
+    (else 16 in 1 stage: n = 8). From D = 1024 on (smaller D gains nothing from splitting) split_k so that tiles x
+    splits stays within the SMs (a block an SM: its shared memory), with at least 4 block_d steps a split (decode
+    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue a token at a time, 2048 columns a step."""
+    block_t = 16 if problem.tokens <= 2048 else 64
+    config = next(c for c in ({"block_t": block_t, "block_d": block_d, "split_k": 1, "num_stages": stages,
+                               "epi_block_t": 1, "epi_block_d": 2048}
+                              for block_d, stages in ((64, 2), (32, 2), (16, 2), (16, 1)))
+                  if not PRE_SPACE.violations(problem, c))
     if problem.hidden >= 1024:
-        tiles = -(-max(problem.tokens, 1) // config["block_t"])
-        wanted = min(2 * SMS // tiles, problem.hidden // (4 * config["block_d"]))
+        tiles = -(-max(problem.tokens, 1) // block_t)
+        wanted = min(SMS // tiles, problem.hidden // (4 * config["block_d"]))
         config["split_k"] = max(v for v in PRE_SPACE.params["split_k"] if v <= max(1, wanted))
     return config
