@@ -23,7 +23,7 @@ Tile plan:
     "carried" / "stream0" the layer input itself, from the same tile. It writes its partials, then draws a ticket
     (a barrier, one acq_rel atomic on the tile's counter); the last split to arrive sums the partials in split
     order, forms the gates and Sinkhorn a thread per token, for "fresh" collapses the residual again (L2 at
-    decode) epi_block_t x epi_block_d at a time (a T.copy to registers), and with a norm rescales the stored rows.
+    decode) a row and epi_block_d columns at a time (a T.copy to registers), and with a norm rescales the stored rows.
     Stream 0 is a select, never a one-hot multiply (which would turn another stream's inf into NaN).
     Bound on an H200: HBM at 8192 tokens (the residual, twice for "fresh"); below, instruction issue of the tiles'
     epilogues (docs/operators.md section 4).
@@ -207,7 +207,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
     n, M = problem.streams, problem.mixes
     W = _plane_rows(M, config["block_t"])
     BT, BD, stages = config["block_t"], config["block_d"], config["num_stages"]
-    ET, ED = config["epi_block_t"], config["epi_block_d"]
+    ED = config["epi_block_d"]
     NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
     PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
     plane = "bfloat16" if fl.on_gpu else "float32"  # the C target multiplies the same rounded values in fp32
@@ -224,8 +224,8 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
 
     @T.macro
     def load_rows(j, Src, b, t, d0):
-        """Stream j of the epilogue's [ET, ED] tile at rows t.., columns d0..: registers (0 past the ends)."""
-        T.copy(Src[t:t + ET, j, d0:d0 + ED], b.rows[j])
+        """Stream j of row t, columns d0.. + ED: registers (0 past the end)."""
+        T.copy(Src[t, j, d0:d0 + ED], b.rows[j])
 
     @T.macro
     def post_stream(j, Y, Res, NewRes, b, t0, d0):
@@ -346,6 +346,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         total = T.alloc_var("float32")
         rstd = T.alloc_var("float32")
         gate = T.alloc_var("float32")
+        weights = T.alloc_local((n,), "float32")
         # 1. split sums, in split order
         for r, k in fl.parallel(BT, M):
             total = 0.0
@@ -376,36 +377,42 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
                 sinkhorn(m, sums, iters, sinkhorn_eps)
                 for k in T.unroll(n * n):
                     Comb[t0 + r, k // n, k % n] = m[k]
-        # 3. "fresh": layer input = bf16(sum_i pre_i res_i), the residual read again (L2 at decode), in [ET, ED]
-        #    tiles of the tile's rows that hold tokens
+        # 3. "fresh": layer input = bf16(sum_i pre_i res_i), the residual read again (L2 at decode), a row of the
+        #    tile's tokens epi_block_d columns at a time
         if problem.collapse == "fresh":
-            for rows in T.serial(T.ceildiv(T.min(NT - t0, BT), ET)):
-                T.clear(b.li_tile)
+            for row in T.serial(T.min(NT - t0, BT)):
+                for i in T.unroll(n):  # the row's weights in registers
+                    weights[i] = b.carried[row, i]
+                if problem.has_norm:
+                    T.clear(b.li_tile)
                 for kd in T.serial(T.ceildiv(D, ED)):
-                    streams(load_rows, Src, b, t0 + rows * ET, kd * ED)
-                    for r, d in fl.parallel(ET, ED):
-                        b.li_row[r, d] = fl.round_bf16(sum([b.carried[rows * ET + r, i] * fl.load_bf16(b.rows[i][r, d])
-                                                            for i in range(n)]))
-                        b.li_tile[r, d] = b.li_tile[r, d] + b.li_row[r, d] * b.li_row[r, d]
-                    for r, d in fl.parallel(ET, ED):
-                        if (t0 + rows * ET + r < NT) & (kd * ED + d < D):
-                            LayerInput[t0 + rows * ET + r, kd * ED + d] = fl.store_bf16(b.li_row[r, d])
-                T.reduce_sum(b.li_tile, b.li_part, dim=1)
-                for r in fl.parallel(ET):
-                    b.li_rows[rows * ET + r] = b.li_part[r]
+                    streams(load_rows, Src, b, t0 + row, kd * ED)
+                    for d in fl.parallel(ED):
+                        b.li_row[d] = fl.round_bf16(sum([weights[i] * fl.load_bf16(b.rows[i][d]) for i in range(n)]))
+                        if problem.has_norm:
+                            b.li_tile[d] = b.li_tile[d] + b.li_row[d] * b.li_row[d]
+                    for d in fl.parallel(ED):
+                        if kd * ED + d < D:
+                            LayerInput[t0 + row, kd * ED + d] = fl.store_bf16(b.li_row[d])
+                if problem.has_norm:
+                    T.reduce_sum(b.li_tile, b.li_part, dim=0)
+                    b.li_rows[row] = b.li_part[0]
         # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
         if problem.has_norm:
             for r in fl.parallel(BT):
                 b.li_rows[r] = 1.0 / T.sqrt(b.li_rows[r] / T.Cast("float32", D) + norm_eps)
             if fl.on_gpu:
                 T.sync_threads()  # the rows were stored by other threads
-            for rows in T.serial(T.ceildiv(T.min(NT - t0, BT), ET)):
+            for row in T.serial(T.min(NT - t0, BT)):
+                weights[0] = b.li_rows[row]  # the row's scale in a register
                 for kd in T.serial(T.ceildiv(D, ED)):
-                    for r, d in fl.parallel(ET, ED):
-                        if (t0 + rows * ET + r < NT) & (kd * ED + d < D):
-                            LayerInput[t0 + rows * ET + r, kd * ED + d] = fl.store_bf16(
-                                fl.load_bf16(LayerInput[t0 + rows * ET + r, kd * ED + d]) * b.li_rows[rows * ET + r]
-                                * fl.load_bf16(Norm[T.min(kd * ED + d, DN - 1)]))
+                    T.copy(LayerInput[t0 + row, kd * ED:kd * ED + ED], b.stored)
+                    T.copy(Norm[kd * ED:kd * ED + ED], b.weight)
+                    for d in fl.parallel(ED):
+                        b.normed[d] = fl.load_bf16(b.stored[d]) * weights[0] * fl.load_bf16(b.weight[d])
+                    for d in fl.parallel(ED):
+                        if kd * ED + d < D:
+                            LayerInput[t0 + row, kd * ED + d] = fl.store_bf16(b.normed[d])
 
     def buffers():
         """The block's buffers (shared memory and fragments on the GPU)."""
@@ -425,11 +432,16 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
             li_rows=fl.shared((BT,), "float32"),  # the layer input's squares, then its norm's scale
             squares=fl.fragment((BT, BD), "float32"),
             sq=fl.fragment((BT,), "float32"),
+            **(dict(  # the norm pass's stored rows, weights and results
+                stored=fl.fragment((ED,), fl.bf16),
+                weight=fl.fragment((ED,), fl.bf16),
+                normed=fl.fragment((ED,), "float32"),
+            ) if problem.has_norm else {}),
             **(dict(  # the epilogue's residual rows, layer input and its squares
-                rows=[fl.fragment((ET, ED), fl.bf16) for _ in range(n)],
-                li_row=fl.fragment((ET, ED), "float32"),
-                li_tile=fl.fragment((ET, ED), "float32"),
-                li_part=fl.fragment((ET,), "float32"),
+                rows=[fl.fragment((ED,), fl.bf16) for _ in range(n)],
+                li_row=fl.fragment((ED,), "float32"),
+                li_tile=fl.fragment((ED,), "float32"),
+                li_part=fl.fragment((1,), "float32"),
             ) if problem.collapse == "fresh" else dict(  # the split pass's layer input squares
                 li_squares=fl.fragment((BT, BD), "float32"),
                 li_sq=fl.fragment((BT,), "float32"),
@@ -585,8 +597,8 @@ def post_default(problem: MhcProblem) -> dict:
 
 
 PRE_SPACE = Space(
-    params={"block_t": (16, 32, 64, 128), "block_d": (16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32), "num_stages": (1, 2, 3),
-            "epi_block_t": (1, 2, 4, 8), "epi_block_d": (256, 512, 1024, 2048)},
+    params={"block_t": (16, 32, 64, 128), "block_d": (16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32, 64, 128), "num_stages": (1, 2, 3),
+            "epi_block_d": (256, 512, 1024, 2048)},
     gpu_only=("num_stages",),
     limits={"shared memory <= 200 KiB": lambda p, c: _shared_bytes(p, c) <= SHARED_LIMIT},
 )
@@ -599,10 +611,10 @@ def pre_default(problem: MhcProblem) -> dict:
     outweighs the GEMM; 64 (a warpgroup's wgmma) above. The widest block_d that fits shared memory in 2 stages
     (else 16 in 1 stage: n = 8). From D = 1024 on (smaller D gains nothing from splitting) split_k so that tiles x
     splits stays within the SMs (a block an SM: its shared memory), with at least 4 block_d steps a split (decode
-    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue a token at a time, 2048 columns a step."""
+    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue 2048 columns a step."""
     block_t = 16 if problem.tokens <= 2048 else 64
     config = next(c for c in ({"block_t": block_t, "block_d": block_d, "split_k": 1, "num_stages": stages,
-                               "epi_block_t": 1, "epi_block_d": 2048}
+                               "epi_block_d": 2048}
                               for block_d, stages in ((64, 2), (32, 2), (16, 2), (16, 1)))
                   if not PRE_SPACE.violations(problem, c))
     if problem.hidden >= 1024:
