@@ -10,6 +10,7 @@ every scale; attention with the operator's comparison (FlashMLA's 1e-3 abs / 2/1
 error analysis of bf16 softmax weights; lse within 1e-5) and against unquantized attention (cosine > 0.99).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -389,22 +390,27 @@ def flashmla_recipe_inputs(tokens, heads, topk, window, page, window_page, sink,
     return on_device(inputs)
 
 
-def gpu_default(backend: str, inputs: dict) -> dict:
-    """The config the GPU would run `inputs` with (split keys and a combine where the CPU default has one split)."""
+def gpu_default(backend: str, inputs: dict, tokens: int | None = None) -> dict:
+    """The config the GPU would run `inputs` with (split keys and a combine where the CPU default has one split), or
+    with `tokens` query tokens of the same heads and caches (4096: the prefill tile, 64 heads and 32 keys a block)."""
+    problem = ATTENTION.check(dict(inputs))
+    if tokens is not None:
+        problem = dataclasses.replace(problem, tokens=tokens)
     with flashkern.planning_for_gpu():
-        return ATTENTION.implementation(backend).default_config(ATTENTION.check(dict(inputs)))
+        return ATTENTION.implementation(backend).default_config(problem)
 
 
-@pytest.mark.parametrize("config", ["default", "gpu default"])
+@pytest.mark.parametrize("config", ["default", "gpu default", "gpu prefill default"])
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("case", range(len(flashmla_recipe_cases())))
 def test_flashmla_sparse_decode_recipe(case, backend, config):
     """FlashMLA's V4.1 sparse-decode test (tests/test-sparse-decode.py), restated: out within 1e-3 abs or 2.01/128
     rel with a cosine difference under 5e-6, lse within 1e-6 abs or 8.01/65536 rel, specials identical; in this
-    device's default config and in the GPU's."""
+    device's default config and in the GPU's, at these tokens and at prefill's."""
     inputs = flashmla_recipe_inputs(*flashmla_recipe_cases()[case], seed=case)
     expected = ATTENTION.reference(**fresh(ATTENTION, inputs))
-    chosen = gpu_default(backend, inputs) if config == "gpu default" else None
+    chosen = {"default": None, "gpu default": gpu_default(backend, inputs),
+              "gpu prefill default": gpu_default(backend, inputs, tokens=4096)}[config]
     actual = ATTENTION.result_of(fresh(ATTENTION, inputs), backend=backend, config=chosen)
     failures = [flashmla_mismatch("out", actual.out, expected.out, 1e-3, 2.01 / 128, 5e-6),
                 flashmla_mismatch("lse", actual.lse, expected.lse, 1e-6, 8.01 / 65536)]

@@ -82,17 +82,17 @@ def _encode_magnitude(a, man: int, bias: int):
 # ---------------------------------------------------------------------------- float8 e4m3fn
 
 _E4M3_MAX = 0x43E00000  # 448.0
+_E4M3_REBIAS = T.float32(2.0**120)  # 2^(127 - 7): fp32's exponent bias over e4m3's
 
 
 def e4m3_to_f32(bits):
-    """float8_e4m3fn code (uint8) -> fp32; 0x7F / 0xFF decode to NaN."""
+    """float8_e4m3fn code (uint8) -> fp32, exact; 0x7F / 0xFF decode to NaN. Branch-free: the code's exponent and
+    mantissa placed 20 bits up in an fp32 (2^(e - 127) x 1.m, or for e = 0 the fp32 subnormal 0.m x 2^-126), times
+    2^120 (a subnormal e4m3 passes through the fp32 subnormals, which the multiply keeps: no flush to zero on
+    either target)."""
     b = T.Cast("uint32", bits)
-    mag = b & 0x7F
-    subnormal = _u32(T.Cast("float32", mag) * (2.0**-9))  # exponent field 0: m * 2^-9
-    normal = (mag << 20) + ((127 - 7) << 23)
-    value = T.if_then_else(mag < 8, subnormal, normal)
-    value = T.if_then_else(mag == 0x7F, T.uint32(0x7FC00000), value)
-    return _f32(value | ((b & 0x80) << 24))
+    placed = _f32(((b & 0x7F) << 20) | ((b & 0x80) << 24)) * _E4M3_REBIAS
+    return T.if_then_else((b & 0x7F) == 0x7F, _f32(T.uint32(0x7FC00000) | ((b & 0x80) << 24)), placed)
 
 
 def f32_to_e4m3(x):
@@ -108,16 +108,15 @@ def f32_to_e4m3(x):
 # ---------------------------------------------------------------------------- fp4 e2m1
 
 _E2M1_MAX = 0x40C00000  # 6.0
+_E2M1_REBIAS = T.float32(2.0**126)  # 2^(127 - 1)
 
 
 def e2m1_to_f32(code):
-    """FP4 e2m1 code (any integer expression, code in the low 4 bits) -> fp32."""
+    """FP4 e2m1 code (any integer expression, code in the low 4 bits) -> fp32, exact. Branch-free: the code's
+    exponent and mantissa placed 22 bits up in an fp32, times 2^126 (the magnitudes 0 and 0.5 pass through the fp32
+    subnormals 0 and 2^-127, which the multiply keeps)."""
     c = T.Cast("uint32", code)
-    mag = c & 7
-    subnormal = mag * T.uint32(0x3F000000)  # codes 0 and 1: 0.0 and 0.5
-    normal = (mag << 22) + ((127 - 1) << 23)
-    value = T.if_then_else(mag < 2, subnormal, normal)
-    return _f32(value | ((c & 8) << 28))
+    return _f32(((c & 7) << 22) | ((c & 8) << 28)) * _E2M1_REBIAS
 
 
 def f32_to_e2m1(x):

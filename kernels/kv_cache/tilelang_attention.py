@@ -7,15 +7,14 @@ grid: (T, ceil(H / block_h), splits); block: 128 or 256 threads; tile: block_h h
 latent, K = V) x block_n keys x 512 columns (TileLang's examples/deepseek_v32/sparse_mla_fwd.py, FlashMLA's decode).
   1. q_tile [block_h, 512] loaded once (16-byte cp.async where attention_layout found it aligned);
   2. per key block (key_splits: the top-k's blocks, then the window's): each slot's page and row (page -1: none),
-     the records gathered into shared memory, dequantized once into k_tile [block_n, 512] bf16 (exact but for MXFP8
-     values below bf16's subnormals);
+     the records gathered into shared memory, dequantized once into k_tile [block_n, 512] bf16 (codes placed in
+     fp32 bits, one exact power-of-two multiply, the block's scale; bf16x2 pairs; exact but below bf16 subnormals);
   3. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift by m where finite, else 0: torch's logsumexp),
      p rounded to bf16, acc [block_h, 512] = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
   4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges.
-The key loop is not software-pipelined (TileLang 0.1.15 pipelines these cp.async gathers only over a static trip
-count; this one is the split's share of a per-call top-k), so decode and MMA do not overlap within a CTA: the model
-has the decode's issue bind it (docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers
-holding the same bf16-rounded operands, and the loops run serially.
+The key loop is not software-pipelined (TileLang 0.1.15 pipelines cp.async gathers only over a static trip count),
+so decode and MMA do not overlap within a CTA: issue binds it (docs/operators.md section 8, "Design"). On the CPU
+the tiles are local fp32 buffers holding the same bf16-rounded operands, and the loops run serially.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -115,11 +114,12 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                                               Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
         fill_rows(rec, BN, fmt.bytes, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
             page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
-        for n, g in fl.parallel(BN, fmt.scales):
-            scale = T.if_then_else(page[n] >= 0, scale_value(fmt, rec, n, g), T.float32(0))
-            for j in T.unroll(fmt.group):
-                k_tile[n, g * fmt.group + j] = as_operand(
-                    T.if_then_else(page[n] >= 0, code_value(fmt, rec, n, g * fmt.group + j) * scale, T.float32(0)))
+        for n, g in fl.parallel(BN, fmt.scales):  # a none slot's record is zeros: its values decode to 0
+            scale = scale_value(fmt, rec, n, g)
+            for j in T.unroll(fmt.group // 2):
+                for e in T.vectorized(2):  # a pair: one bf16x2 conversion and store
+                    k_tile[n, g * fmt.group + 2 * j + e] = as_operand(
+                        code_value(fmt, rec, n, g * fmt.group + 2 * j + e) * scale)
 
     @T.macro
     def attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha):
@@ -302,34 +302,33 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 # ---------------------------------------------------------------- tuning space
 
 # sm_90a builds (nvcc --resource-usage; both formats' paths in every build, one load path: attention_layout),
-# registers a thread at (block_h, threads, block_n): (64, 256, 16) 255 (wgmma), (64, 256, 32) 255 + 8 B of spills,
-# (64, 256, 64) 255 + 104 B (with both load paths in one build, 32 keys did not spill), (32, 128, 64) 250 and
-# (32, 128, 32) 245 (mma.sync: below 64 heads a tile no warpgroup MMA), (16, 128, 64) 237, (32, 256, 64) 198: the
-# fp32 accumulator [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's tiles
-# leave room for 16 keys a block. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a
-# 528-byte record tile), within the 227 KiB a CTA may take, so it is not modelled.
+# registers a thread at (block_h, threads, block_n): (64, 256, 16) 254 and (64, 256, 32) 255 (wgmma), (64, 256, 64)
+# 255 + 168 B of spills, (16, 128, 64) 230 (mma.sync: below 64 heads a tile no warpgroup MMA): the fp32 accumulator
+# [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's tiles leave room for 32
+# keys a block. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a 528-byte record
+# tile), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
             "threads": (128, 256)},
     gpu_only=("threads",),
     limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
             lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
-            "block_n <= 16 with 64 heads a tile (registers: more keys spill next to the warpgroup MMA's accumulator)":
-            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 16,
+            "block_n <= 32 with 64 heads a tile (registers: more keys spill next to the warpgroup MMA's accumulator)":
+            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 32,
             "warps <= (block_h / 16) x (block_n / 8) (MMA pieces of the scores)":
             lambda p, c: c["threads"] // 32 <= c["block_h"] // 16 * (c["block_n"] // 8)},
 )
 
 
 def attention_default(problem: AttentionProblem) -> dict:
-    """A token's heads in one tile (64: two warpgroups on wgmma, 16-key blocks; fewer heads: 16 or 32, four warps,
+    """A token's heads in one tile (64: two warpgroups on wgmma, 32-key blocks; fewer heads: 16 or 32, four warps,
     64-key blocks) once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens
     (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The
-    performance model, 64 heads, 16- / 64-head tiles: T = 1 7.0 / 12.1 us, T = 8 13.8 / 17.2 us, T = 64 70 / 54 us;
-    T = 4096 (64-head tiles): 2064 us."""
+    performance model, 64 heads, 16- / 64-head tiles: T = 1 5.2 / 10.3 us, T = 8 9.4 / 15.4 us; T = 64 (64-head
+    tiles, 16 / 32 keys a block): 45.3 / 38.8 us; T = 4096: 1527 / 1106 us (64 keys spill: 896 us)."""
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
     if block_h == 64:
-        return {"block_h": 64, "block_n": 16, "max_splits": 16, "threads": 256}
+        return {"block_h": 64, "block_n": 32, "max_splits": 16, "threads": 256}
     return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 128}
