@@ -24,7 +24,8 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.indexer import cases, tilelang_logits, tilelang_topk, triton_logits, triton_topk
 from flashkern.kernels.indexer.problem import (V41_INDEXER, CandidateProblem, Indexer, LogitsProblem,
-                                               PagedProblem, SparseProblem, TopkProblem, causal_ends)
+                                               PagedProblem, SparseProblem, TopkProblem, causal_ends, kept_per_span,
+                                               kept_width, span_slots)
 from flashkern.reference import indexer as ref
 from flashkern.registry import Cost, Implementation, Operator
 
@@ -574,14 +575,10 @@ def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: 
     return select, merge
 
 
-def _kept_width(problem: SparseProblem, config: dict) -> int:
-    return -(-problem.candidates // tilelang_logits.span_slots(config)) * tilelang_logits.kept_per_span(problem, config)
-
-
 def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
     """Each span's best candidates (scored into and selected in shared memory), then the top-k stage merges a row's."""
-    merge_config = tilelang_topk.topk_default(_merge_problem(_kept_width(problem, config), problem))
-    in_place = tilelang_logits.kept_per_span(problem, config) == tilelang_logits.span_slots(config)
+    merge_config = tilelang_topk.topk_default(_merge_problem(kept_width(problem, config), problem))
+    in_place = kept_per_span(problem, config) == span_slots(config)
     return (tilelang_logits.sparse_select_program(problem, config, fl),
             tilelang_topk.topk_stage_program(merge_config, fl, drop_neg_inf=True,
                                              map_block=problem.block if in_place else 1))

@@ -114,6 +114,21 @@ class SparseProblem(SizedProblem):
         return self.n_blocks * self.block
 
 
+def span_slots(config: dict) -> int:
+    """Candidate slots one sparse_mqa_logits span (a program or block) scores: tiles key tiles of block_n."""
+    return config["tiles"] * config["block_n"]
+
+
+def kept_per_span(problem: SparseProblem, config: dict) -> int:
+    """Candidates a span keeps: min(top_k, its slots); the row's top_k are among them."""
+    return min(problem.top_k, span_slots(config))
+
+
+def kept_width(problem: SparseProblem, config: dict) -> int:
+    """Kept candidates of a row over all its spans: the width the merge reads."""
+    return -(-problem.candidates // span_slots(config)) * kept_per_span(problem, config)
+
+
 def causal_ends(rows: int, keys: int) -> torch.Tensor:
     """ke of a causal prefill chunk: the M rows are the last M positions of the N keys."""
     return (torch.arange(rows) + keys - rows + 1).clamp(0, keys).int()

@@ -49,7 +49,8 @@ import torch
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.indexer import tilelang_topk
-from flashkern.kernels.indexer.problem import LogitsProblem, PagedProblem, SparseProblem
+from flashkern.kernels.indexer.problem import (LogitsProblem, PagedProblem, SparseProblem, kept_per_span, kept_width,
+                                               span_slots)
 
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
 NO_POSITION = -1
@@ -241,6 +242,15 @@ class _TileMacros:
                     Out[out_m0 + r, n0 + n] = st.logit(staged[r, n])
 
         @T.macro
+        def fill_unseen(unseen, tile, m0, n_rows, width, Out):
+            """Out[m0 + r, tile * BN + n] = -inf where `unseen` (a tile no row of the block sees; rows m0 + r <
+            n_rows, columns < width)."""
+            if unseen:
+                for r, n in fl.parallel(rows, BN):
+                    if (m0 + r < n_rows) & (tile * BN + n < width):
+                        Out[m0 + r, tile * BN + n] = st.logit(NEG_INF)
+
+        @T.macro
         def tile(Q, Qscale, W, K, Kscale, key_row, key_pos, bounds, m0, n_rows, first, last, out_m0, n0, width,
                  Out):
             """Score gathered keys if some row's [lo, hi) meets positions [first, last]; store [rows, BN] at
@@ -257,7 +267,7 @@ class _TileMacros:
                 mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
             store(logits, key_pos, bounds, n_rows, m0, out_m0, n0, width, Out)
 
-        self.queries, self.mma, self.store, self.tile = queries, mma, store, tile
+        self.queries, self.mma, self.store, self.fill_unseen, self.tile = queries, mma, store, fill_unseen, tile
         self.copied_piece, self.decoded_keys = copied_piece, decoded_keys
 
     @property
@@ -353,10 +363,8 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
                     key_pos[n] = (first + i) * BN + n
                 tm.store(logits, key_pos, bounds, M, by * BM, by * BM, (first + i) * BN, N, Out)
             for t in T.serial(TILES):
-                if (bx * TILES + t < first) | (bx * TILES + t >= first + count):
-                    for r, n in fl.parallel(BM, BN):
-                        if (by * BM + r < M) & ((bx * TILES + t) * BN + n < N):
-                            Out[by * BM + r, (bx * TILES + t) * BN + n] = st.logit(-T.infinity("float32"))
+                tm.fill_unseen((bx * TILES + t < first) | (bx * TILES + t >= first + count), bx * TILES + t, by * BM,
+                               M, N, Out)
 
     return mqa_logits
 
@@ -466,10 +474,7 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
                 tm.mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits)
                 tm.store(logits, key_pos, bounds, b * NEXT + NEXT, m0, m0, (bx * TILES + i) * BN, WIDTH, Out)
             for t in T.serial(TILES):  # tiles no token of the block sees
-                if t >= count:
-                    for r, n in fl.parallel(RW, BN):
-                        if (m0 + r < b * NEXT + NEXT) & ((bx * TILES + t) * BN + n < WIDTH):
-                            Out[m0 + r, (bx * TILES + t) * BN + n] = st.logit(-T.infinity("float32"))
+                tm.fill_unseen(t >= count, bx * TILES + t, m0, b * NEXT + NEXT, WIDTH, Out)
 
     return paged_mqa_logits
 
@@ -485,16 +490,6 @@ def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour, o
 
 
 # ---------------------------------------------------------------- sparse: scored and selected per span
-
-
-def span_slots(config: dict) -> int:
-    """Candidate slots per block: tiles key tiles of block_n."""
-    return config["tiles"] * config["block_n"]
-
-
-def kept_per_span(problem: SparseProblem, config: dict) -> int:
-    """Candidates a block keeps of its span: min(top_k, span); the row's top_k are among them."""
-    return min(problem.top_k, span_slots(config))
 
 
 def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour):
@@ -583,8 +578,7 @@ def sparse_select_args(problem: SparseProblem, inputs: dict, config: dict, fl: F
     when spans keep all their slots in place) and ends it fills)."""
     q, k, blocks = inputs["q"], inputs["k"], inputs["blocks"]
     st = _Storage(problem.indexer, fl)
-    spans = -(-problem.candidates // span_slots(config))
-    kept = torch.empty((q.shape[0], spans * kept_per_span(problem, config)), dtype=torch.float32, device=q.device)
+    kept = torch.empty((q.shape[0], kept_width(problem, config)), dtype=torch.float32, device=q.device)
     selects = kept_per_span(problem, config) < span_slots(config)
     positions = torch.empty(kept.shape if selects else (1, 1), dtype=torch.int32, device=q.device)  # (placeholder)
     ends = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)

@@ -46,6 +46,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import ue8m0_decode
+from flashkern.kernels.indexer.problem import kept_per_span, kept_width, span_slots
 from flashkern.kernels.indexer.triton_topk import NAN_KEY, NEG_INF_KEY, flip_negative, order_key, select_in_registers
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
@@ -354,24 +355,14 @@ def plan_paged_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor
     return _launch(programs, width, config, args)
 
 
-def span_slots(config: dict) -> int:
-    """Candidate slots per program: tiles key tiles of block_n."""
-    return config["tiles"] * config["block_n"]
-
-
-def kept_per_span(problem, config: dict) -> int:
-    """Candidates a sparse program keeps of its span: min(top_k, span); the row's top_k are among them."""
-    return min(problem.top_k, span_slots(config))
-
-
 def plan_sparse_select(problem, inputs: dict, config: dict):
     """Per row and span of candidate slots, the span's best kept_per_span candidates: (launch, scores, positions,
     kept_end): scores and positions [M, spans x kept] in candidate order, scores -inf past each span's kept ones
     (columns past kept_end [M] are not written: the merge reads a row up to its end)."""
     m, width = problem.rows, problem.candidates
-    spans, keep = triton.cdiv(width, span_slots(config)), kept_per_span(problem, config)
-    scores = torch.empty(m, spans * keep, dtype=torch.float32, device=inputs["q"].device)
-    positions = (torch.empty(m, spans * keep, dtype=torch.int32, device=inputs["q"].device) if keep < span_slots(config)
+    keep = kept_per_span(problem, config)
+    scores = torch.empty(m, kept_width(problem, config), dtype=torch.float32, device=inputs["q"].device)
+    positions = (torch.empty(scores.shape, dtype=torch.int32, device=inputs["q"].device) if keep < span_slots(config)
                  else None)  # spans that keep every slot keep them in place: the merge maps through the blocks
     kept_end = torch.zeros(m, dtype=torch.int32, device=inputs["q"].device)
     args = dict(_unused_addressing(), q_ptr=inputs["q"], q_scale_ptr=inputs["q_scale"], w_ptr=inputs["w"],
