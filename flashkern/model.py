@@ -12,13 +12,14 @@ Per implementation, config and shape, for each kernel launch (stage):
            atomics and barriers (static counts: kernels/build.Census);
   issue    the SASS each warp issues per pipe (kernels/sass: loops from back edges, counted per trip in a build
            with unrolling off), trips per CTA from the loop headers the traffic count ran (Triton: traced in the
-           interpreter; loops without a traced header count one trip per entry), at each pipe's issue rate;
+           interpreter, per CTA, so the heaviest traced CTA bounds it too; loops without a traced header count
+           one trip per entry), at each pipe's issue rate;
   time     the longest of: HBM (bytes L2 does not serve, `hbm_bytes`: tensors it holds, tiles co-resident
            CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
            (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
-           instructions over the busy sub-partitions); latency (dependent global phases per CTA x a round
-           trip, per wave). Then a launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a
-           CUDA graph. The operator's flops go to its stage with tensor-core instructions (else to the stage that
+           instructions over the busy sub-partitions, and no less than the heaviest CTA's on one SM); latency
+           (dependent global phases per CTA x a round trip, per wave). Then a launch: LAUNCH_SECONDS from the
+           host, GRAPH_LAUNCH_SECONDS in a CUDA graph. The operator's flops go to its stage with tensor-core instructions (else to the stage that
            moves the most bytes).
 The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math), with no launch; the roofline
 fraction is roof / predicted kernel time (launch excluded, reported beside it), so a decode-size kernel is judged
@@ -134,16 +135,18 @@ def occupancy(threads: int, registers: int, smem: int, device: Device) -> Occupa
 class Issue:
     """What one launch's warps issue, from its SASS profile and trip counts (kernels.sass)."""
 
-    per_warp: dict  # pipe (and event) -> warp instructions one warp issues
-    trips: tuple  # trips per CTA of each SASS loop
+    per_warp: dict  # pipe (and event) -> warp instructions one warp issues, on average over the CTAs
+    trips: tuple  # trips per CTA of each SASS loop, on average
     traced: bool  # every loop's trips came from a traced header (else some counted once per entry)
     phases: float  # dependent global phases per CTA (barrier-separated passes over global memory)
+    heaviest: dict | None = None  # per_warp of the traced CTA that issues the most (None: the CTAs alike)
 
-    def cycles_per_warp(self) -> tuple[float, str]:
+    def cycles_per_warp(self, per_warp: dict | None = None) -> tuple[float, str]:
         """(cycles one warp occupies its sub-partition, the binding pipe): the dispatch of every instruction, or a
-        pipe's instructions at its issue rate, whichever is longer."""
-        per_pipe = {name: self.per_warp[name] / rate for name, rate in sass.ISSUE_RATE.items()}
-        dispatch = sum(self.per_warp[name] for name in sass.PIPES)
+        pipe's instructions at its issue rate, whichever is longer (of the average warp, or of `per_warp`)."""
+        per_warp = self.per_warp if per_warp is None else per_warp
+        per_pipe = {name: per_warp[name] / rate for name, rate in sass.ISSUE_RATE.items()}
+        dispatch = sum(per_warp[name] for name in sass.PIPES)
         pipe_name = max(per_pipe, key=per_pipe.get)
         return (dispatch, "dispatch") if dispatch >= per_pipe[pipe_name] else (per_pipe[pipe_name], pipe_name)
 
@@ -156,7 +159,11 @@ def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
     headers, sizes = dict(traffic.lines), dict(traffic.sizes)
     trips, known = sass.trips(profile, headers, sizes)
     executed = profile.executed(trips)
-    return Issue(executed, tuple(trips), all(known), 1.0 + executed["global_phase"])
+    heaviest = None
+    if len(traffic.cta_lines) > 1:  # CTAs that differ (a last arrival's epilogue, ragged work): the heaviest one
+        each = [profile.executed(sass.trips(profile, dict(lines), sizes)[0]) for lines in traffic.cta_lines]
+        heaviest = max(each, key=lambda per_warp: sum(per_warp[name] for name in sass.PIPES))
+    return Issue(executed, tuple(trips), all(known), 1.0 + executed["global_phase"], heaviest)
 
 
 @dataclass(frozen=True)
@@ -281,11 +288,18 @@ def hbm_bytes(traffic: LaunchTraffic, device: Device, resident_ctas: int = 1) ->
 
 def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: Device) -> tuple[float, str]:
     """Every warp's cycles spread over the sub-partitions the grid keeps busy: min(CTAs, SMs) SMs, each with at
-    most `sub_partitions` of its resident warps issuing at once."""
+    most `sub_partitions` of its resident warps issuing at once; and no less than the heaviest CTA's warps take on
+    one SM's sub-partitions (a CTA that works alone, such as the last arrival that runs an epilogue, is not
+    spread over the grid)."""
     cycles, pipe_name = issue.cycles_per_warp()
     per_sm = min(resident, math.ceil(ctas / device.sms)) * warps
     lanes = min(ctas, device.sms) * min(device.sub_partitions, per_sm)
-    return ctas * warps * cycles / lanes / device.clock_hz, pipe_name
+    balanced = ctas * warps * cycles / lanes / device.clock_hz
+    if issue.heaviest is None:
+        return balanced, pipe_name
+    heaviest, heaviest_pipe = issue.cycles_per_warp(issue.heaviest)
+    alone = warps * heaviest / min(device.sub_partitions, warps) / device.clock_hz
+    return (balanced, pipe_name) if balanced >= alone else (alone, heaviest_pipe)
 
 
 def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device: Device) -> Prediction:
@@ -347,7 +361,8 @@ class Row:
                        waves=s.waves, fill=s.fill, math=s.math, flops=s.flops, seconds=s.seconds,
                        kernel_seconds=s.kernel_seconds, terms=s.terms, bound=s.bound,
                        issue=None if s.issue is None else dict(per_warp=s.issue.per_warp, trips=s.issue.trips,
-                                                               traced=s.issue.traced, phases=s.issue.phases),
+                                                               traced=s.issue.traced, phases=s.issue.phases,
+                                                               heaviest=s.issue.heaviest),
                        registers=s.report.registers,
                        spills=s.report.spills, smem=s.report.smem, threads=s.report.threads,
                        census=dataclasses.asdict(s.report.census)) for s in p.stages]

@@ -250,6 +250,7 @@ class LaunchTraffic:
     exact: bool = True  # False: an upper bound (conditions the count could not evaluate were taken as true)
     # What the model reads beside the counts (not part of a count's equality):
     lines: tuple = dataclasses.field(default=(), compare=False)  # ((file, line), runs per CTA) where the count ran
+    cta_lines: tuple = dataclasses.field(default=(), compare=False)  # per traced CTA: its ((file, line), runs)
     sizes: tuple = dataclasses.field(default=(), compare=False)  # (name, value): scalar parameters and sizes
     tensors: tuple[TensorTraffic, ...] = dataclasses.field(default=(), compare=False)  # per distinct storage
 

@@ -121,6 +121,31 @@ def test_the_issue_term_binds_an_issue_bound_kernel_and_hbm_a_streaming_copy(bui
     assert large.bound == "HBM"
 
 
+def test_a_cta_that_works_alone_bounds_the_issue_term(built):
+    """32 CTAs of the FMA loop, one of which (a last arrival's epilogue) runs 1000 trips where the others run one:
+    averaged over the grid its work would look spread over 32 SMs; the model keeps it on its own SM's four
+    sub-partitions. CTAs alike (the same lines each) stay on the balanced count."""
+    report = built["fma_loop"]
+    header = report.issue.loops[0].header
+    light, heavy = ((header, 2),), ((header, 1001),)  # a header runs once per trip and once more on exit
+    ctas = 32
+
+    def issue_seconds(cta_lines):
+        lines = ((header, sum(dict(cta)[header] for cta in cta_lines) / len(cta_lines)),)  # the average CTA
+        traffic = LaunchTraffic(ctas, 1.0, 0.0, ctas, lines=lines, cta_lines=cta_lines)
+        return model.predict(Cost(flops=0, bytes=1), [(report, traffic)], H200).stages[0]
+
+    skewed = issue_seconds((light,) * 7 + (heavy,))
+    heaviest = model.Issue(skewed.issue.heaviest, (), True, 1.0).cycles_per_warp()[0]
+    average = skewed.issue.cycles_per_warp()[0]
+    assert heaviest > 5 * average  # 1000 trips against 126 on average
+    assert skewed.terms["issue"] == pytest.approx(kernels.WARPS * heaviest / 4 / H200.clock_hz)
+    assert skewed.terms["issue"] > 5 * ctas * kernels.WARPS * average / (ctas * 4) / H200.clock_hz
+    alike = issue_seconds((heavy,) * 8)
+    assert alike.terms["issue"] == pytest.approx(ctas * kernels.WARPS * alike.issue.cycles_per_warp()[0]
+                                                 / (ctas * 4) / H200.clock_hz)
+
+
 def test_the_roofline_fraction_leaves_the_launch_out(built):
     stream = kernels.launches(ctas=4, trips=1)["copy"]
     n = 4 * kernels.BLOCK

@@ -201,5 +201,9 @@ def test_cooperating_ctas_are_sampled_in_whole_groups():
     finished = (sampled_args["out"] != 0).nonzero().flatten().tolist()
     assert finished == [0, 13, 26, 39]  # four whole rows, first and last included
     assert (sampled.bytes_read, sampled.bytes_written) == (full.bytes_read, full.bytes_written)
+    # the traced CTAs' lines, each CTA's own: the sum's line ran in the last arrival of each traced row only
+    summed = [dict(lines) for lines in sampled.cta_lines]
+    sum_line = max(line for cta in summed for line in cta if line[0].endswith("test_traffic_triton.py"))
+    assert len(summed) == 8 and [sum_line in cta for cta in summed] == [False, False, False, True] * 2
     with pytest.raises(ValueError, match="groups of 3"):
         measure(dataclasses.replace(sampled_launch, cooperating=3))

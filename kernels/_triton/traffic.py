@@ -129,6 +129,7 @@ def measure(launch: Launch, max_ctas: int = 64) -> LaunchTraffic:
         tensors=tuple(TensorTraffic(requested * scale, float(size))
                       for requested, (_, size) in zip(totals.per_storage, storages)),
         lines=tuple(sorted((where, count / len(traced)) for where, count in lines.counts.items())),
+        cta_lines=tuple(tuple(sorted(cta.items())) for cta in lines.per_cta),
     )
 
 
@@ -149,18 +150,26 @@ class _LineCounter:
     traced). Tracing costs about 3x the walk, so it is turned on for TRACED_CTAS of the sampled CTAs."""
 
     def __init__(self):
-        self.counts: collections.Counter = collections.Counter()
+        self.per_cta: list[collections.Counter] = []  # one per traced CTA, in the order they ran
         self.previous = None
+
+    @property
+    def counts(self) -> collections.Counter:
+        """Every traced CTA's runs together."""
+        return sum(self.per_cta, collections.Counter())
 
     def local(self, frame, event, _):
         if event == "line":
-            self.counts[frame.f_code.co_filename, frame.f_lineno] += 1
+            self.per_cta[-1][frame.f_code.co_filename, frame.f_lineno] += 1
         return self.local
 
     def calls(self, frame, event, _):
         return None if frame.f_code.co_filename.startswith(_UNTRACED) else self.local
 
     def trace(self, on: bool):
+        """Start the next CTA: counted (a counter of its own) or not."""
+        if on:
+            self.per_cta.append(collections.Counter())
         sys.settrace(self.calls if on else self.previous)
 
     def __enter__(self):
