@@ -468,18 +468,20 @@ PRE_SPACE = Space(
 
 
 def pre_default(problem) -> dict:
-    """GPU: token tiles of 16 to 64 rows on 8 warps, block_d the widest within the register limits (up to 64;
+    """GPU: token tiles of 16 rows up to 256 tokens (the last split's epilogue, one CTA a tile, outweighs the
+    GEMM there), else 64 (fn's fp32 columns are split into tf32 parts once a tile), on 8 warps, block_d the widest within the register limits (up to 64;
     below 16 in 16-row tiles), 2 stages; split_k so that tiles x splits ~ 2 programs per SM, with at least 4
     block_d steps per split; the epilogue a token per program at 32 values per thread on 4 warps. Interpreter: one
     split and the widest tiles, 2^16 values of tokens per epilogue program (each tl op costs about the same whatever
     its size)."""
     np_ = next_power_of_2(problem.streams)
-    block_t = max(16, min(64, next_power_of_2(max(1, problem.tokens))))
     if flashkern.triton_interpreted():
+        block_t = max(16, min(64, next_power_of_2(max(1, problem.tokens))))
         block_d = max(16, min(512, next_power_of_2(problem.hidden)))
         epi_block_d = max(128, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": block_t, "block_d": block_d, "split_k": 1, "num_warps": 8, "num_stages": 2,
                 "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d}
+    block_t = 16 if problem.tokens <= 256 else 64
     config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 8, "num_stages": 2,
               "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_)}
     while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
