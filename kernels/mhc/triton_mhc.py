@@ -1,4 +1,4 @@
-"""mHC in Triton: Sinkhorn, the post mapping, and the pre block (alone or fused behind a post) in one launch.
+"""mHC in Triton: Sinkhorn, the post mapping, and the pre block (alone or fused behind a post).
 
     sinkhorn:      m = softmax_rows(x) + eps; m /= col sums + eps; iters - 1 times: m /= row sums + eps, col sums + eps
     post:          out[t, j, d] = bf16(sum_i comb[t, i, j] residual[t, i, d] + post[t, j] y[t, d])
@@ -14,17 +14,17 @@ Tile plan (n streams padded to NP, a power of two; padded streams and D tails ar
   sinkhorn:  a program owns BLOCK_B matrices as a [BLOCK_B, NP, NP] tile and iterates in registers.
   post:      grid (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)); a program forms the [BLOCK_T, NP, BLOCK_D] output tile,
              one input stream at a time (fp32 sum over i, then + post y, rounded to nearest-even bf16).
-  pre / post_pre, one launch: grid (splits, cdiv(T, BLOCK_T)) with (splits, chunk) = split_plan(D, split_k,
+  pre / post_pre: grid (splits, cdiv(T, BLOCK_T)) with (splits, chunk) = split_plan(D, split_k,
              BLOCK_D). Program (s, tile) walks columns [s chunk, min(D, (s + 1) chunk)) of every stream of BLOCK_T
              tokens. Per BLOCK_D step it holds x [BLOCK_T, NP, BLOCK_D] in fp32 (the residual, or the post tile,
              stored as the new residual and used rounded), adds its squares to sq and one dot [BLOCK_T, NP BLOCK_D]
              x [NP BLOCK_D, M_PAD] (fn^T, M = (2 + n) n padded to M_PAD >= 16) to the mixes; the collapses that
              need no gates ("carried", "stream0") store their layer input from the same tile. It writes its
-             partials, then takes a ticket (a CTA barrier, one acq_rel atomic on the tile's counter); the last
-             split to arrive sums the partials in split order 0..S-1 and forms the gates and Sinkhorn of the whole
-             tile ([BLOCK_T, NP, NP]); then, EPI_BLOCK_T tokens at a time, "fresh" collapses the residual
-             EPI_BLOCK_D columns at a time (it re-reads what the tile's splits just read: L2 at decode), and with
-             HAS_NORM a last pass rescales the stored rows.
+             partials. The epilogue sums the partials in split order 0..S-1, forms the gates and Sinkhorn, then,
+             EPI_BLOCK_T tokens at a time, "fresh" collapses the residual EPI_BLOCK_D columns at a time (a re-read:
+             L2 at decode), and with HAS_NORM a last pass rescales the stored rows. Either the tile's last split
+             runs it (a ticket: a CTA barrier, one acq_rel atomic on the tile's counter; one launch), or a second
+             launch of cdiv(T, EPI_BLOCK_T) programs does, spread over the SMs (config "epilogue").
              Stream 0 is a select, never a one-hot multiply (which would turn another stream's inf into NaN).
 The GEMM reaches fp32 accuracy in two tf32 MMAs (x holds bf16 values, exact in tf32; fn is split in a tf32
 high part and the exact rest). Every sum has a fixed order, so repeated runs are bitwise identical. Token rows
@@ -204,9 +204,11 @@ def mhc_pre_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr, tickets_ptr,
                    T, D, chunk, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
                    N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_POST: tl.constexpr, COLLAPSE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, EPI_BLOCK_T: tl.constexpr, EPI_BLOCK_D: tl.constexpr):
+                   HAS_NORM: tl.constexpr, EPI_BLOCK_T: tl.constexpr, EPI_BLOCK_D: tl.constexpr,
+                   LAST_SPLIT_EPILOGUE: tl.constexpr):
     """Split program_id(0) of tokens [BLOCK_T program_id(1), +BLOCK_T): partial mixes and squares (and the layer
-    input of the collapses that need no gates); the tile's last split to finish runs the epilogue."""
+    input of the collapses that need no gates); with LAST_SPLIT_EPILOGUE the tile's last split to finish runs the
+    epilogue (else mhc_epilogue_kernel does, in the next launch)."""
     split = tl.program_id(0)
     splits = tl.num_programs(0)
     tile = tl.program_id(1)
@@ -260,17 +262,34 @@ def mhc_pre_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr, tickets_ptr,
     tl.store(mix_parts_ptr + part[:, None] * M + m[None, :], acc, mask=t_ok[:, None] & (m < M)[None, :])
     tl.store(sq_parts_ptr + 2 * part, sq, mask=t_ok)
     tl.store(sq_parts_ptr + 2 * part + 1, li_sq, mask=t_ok)
-    # the tile's splits count in: the last to arrive sees every partial (a CTA barrier, then one acq_rel atomic)
-    tl.debug_barrier()
-    if tl.atomic_add(tickets_ptr + tile, 1) == splits - 1:
-        _gates(t, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, splits,
-               rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, N, NP, M)
-        if COLLAPSE == "fresh" or HAS_NORM:
-            tl.debug_barrier()  # the stored pre is read back
-            for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_BLOCK_T):  # sub-blocks holding tokens
-                _finish_layer_input((tile * BLOCK_T + sub + tl.arange(0, EPI_BLOCK_T)).to(tl.int64),
-                                    new_res_ptr if HAS_POST else res_ptr, sq_parts_ptr, pre_ptr, norm_ptr, li_ptr,
-                                    T, D, splits, norm_eps, N, NP, COLLAPSE, HAS_NORM, EPI_BLOCK_D)
+    if LAST_SPLIT_EPILOGUE:
+        # the tile's splits count in: the last to arrive sees every partial (a CTA barrier, one acq_rel atomic)
+        tl.debug_barrier()
+        if tl.atomic_add(tickets_ptr + tile, 1) == splits - 1:
+            _gates(t, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, splits,
+                   rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, N, NP, M)
+            if COLLAPSE == "fresh" or HAS_NORM:
+                tl.debug_barrier()  # the stored pre is read back
+                for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_BLOCK_T):  # sub-blocks of tokens
+                    _finish_layer_input((tile * BLOCK_T + sub + tl.arange(0, EPI_BLOCK_T)).to(tl.int64),
+                                        new_res_ptr if HAS_POST else res_ptr, sq_parts_ptr, pre_ptr, norm_ptr,
+                                        li_ptr, T, D, splits, norm_eps, N, NP, COLLAPSE, HAS_NORM, EPI_BLOCK_D)
+
+
+@triton.jit
+def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, norm_ptr, li_ptr, pre_ptr,
+                        post_ptr, comb_ptr, T, D, splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters,
+                        norm_eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, COLLAPSE: tl.constexpr,
+                        HAS_NORM: tl.constexpr, EPI_BLOCK_T: tl.constexpr, EPI_BLOCK_D: tl.constexpr):
+    """The epilogue of tokens [EPI_BLOCK_T program_id(0), +EPI_BLOCK_T) once every split has stored its partials:
+    at small batches it spreads over the SMs what the last split of a tile would do alone."""
+    t = (tl.program_id(0) * EPI_BLOCK_T + tl.arange(0, EPI_BLOCK_T)).to(tl.int64)
+    _gates(t, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, D, splits,
+           rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, N, NP, M)
+    if COLLAPSE == "fresh" or HAS_NORM:
+        tl.debug_barrier()  # the stored pre is read back
+        _finish_layer_input(t, res_ptr, sq_parts_ptr, pre_ptr, norm_ptr, li_ptr, T, D, splits, norm_eps,
+                            N, NP, COLLAPSE, HAS_NORM, EPI_BLOCK_D)
 
 
 # ---------------------------------------------------------------- plans
@@ -304,30 +323,40 @@ def plan_post(problem, inputs: dict, config: dict, out):
                   num_warps=config["num_warps"])
 
 
-def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | None) -> Launch:
-    """The one launch of mhc_pre (mhc_post_pre when post_args are given): grid (splits, token tiles)."""
+def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | None):
+    """mhc_pre (mhc_post_pre when post_args are given): the GEMM stage, grid (splits, token tiles), with the
+    epilogue run by each tile's last split, or by a second launch of cdiv(T, epi_block_t) programs."""
     t, d, n = problem.tokens, problem.hidden, problem.streams
     splits, chunk = split_plan(d, config["split_k"], config["block_d"])
     tiles = triton.cdiv(t, config["block_t"])
     mix_parts, sq_parts = empty_partials(problem, splits, inputs["residual"].device)
-    tickets = torch.zeros(tiles, dtype=torch.int32, device=mix_parts.device)  # per call: streams never share them
+    last_split = config["epilogue"] == "last_split"
+    # per call, so calls on several streams never share them
+    tickets = torch.zeros(tiles, dtype=torch.int32, device=mix_parts.device) if last_split else None
     has_post = post_args is not None
-    return Launch(
-        mhc_pre_kernel, grid=(splits, tiles), cooperating=splits,
-        args=dict(res_ptr=inputs["residual"], fn_ptr=inputs["fn"], mix_parts_ptr=mix_parts, sq_parts_ptr=sq_parts,
-                  tickets_ptr=tickets,
+    epilogue_args = dict(
+        mix_parts_ptr=mix_parts, sq_parts_ptr=sq_parts, scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
+        norm_ptr=inputs["norm_weight"], li_ptr=outputs.layer_input, pre_ptr=outputs.pre, post_ptr=outputs.post,
+        comb_ptr=outputs.comb, T=t, D=d, rms_eps=float(inputs["rms_eps"]), pre_eps=float(inputs["pre_eps"]),
+        sinkhorn_eps=float(inputs["sinkhorn_eps"]), post_mult=float(inputs["post_mult"]), iters=int(inputs["iters"]),
+        norm_eps=float(inputs["norm_eps"]), M=problem.mixes, COLLAPSE=problem.collapse, HAS_NORM=problem.has_norm,
+        EPI_BLOCK_T=config["epi_block_t"], EPI_BLOCK_D=config["epi_block_d"], **_streams(n))
+    gemm = Launch(
+        mhc_pre_kernel, grid=(splits, tiles), cooperating=splits if last_split else 1,
+        args=dict(res_ptr=inputs["residual"], fn_ptr=inputs["fn"], tickets_ptr=tickets,
                   **(post_args if has_post else dict.fromkeys(("y_ptr", "post_in_ptr", "comb_in_ptr", "new_res_ptr"))),
-                  scale_ptr=inputs["hc_scale"], base_ptr=inputs["hc_base"],
-                  pre_mix_ptr=inputs["pre_mix"] if problem.collapse == "carried" else None,
-                  norm_ptr=inputs["norm_weight"], li_ptr=outputs.layer_input, pre_ptr=outputs.pre,
-                  post_ptr=outputs.post, comb_ptr=outputs.comb, T=t, D=d, chunk=chunk,
-                  rms_eps=float(inputs["rms_eps"]), pre_eps=float(inputs["pre_eps"]),
-                  sinkhorn_eps=float(inputs["sinkhorn_eps"]), post_mult=float(inputs["post_mult"]),
-                  iters=int(inputs["iters"]), norm_eps=float(inputs["norm_eps"]), M=problem.mixes,
+                  pre_mix_ptr=inputs["pre_mix"] if problem.collapse == "carried" else None, chunk=chunk,
                   M_PAD=_mix_pad(n), BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], HAS_POST=has_post,
-                  COLLAPSE=problem.collapse, HAS_NORM=problem.has_norm, EPI_BLOCK_T=config["epi_block_t"],
-                  EPI_BLOCK_D=config["epi_block_d"], **_streams(n)),
+                  LAST_SPLIT_EPILOGUE=last_split, **epilogue_args),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if last_split:
+        return gemm
+    epilogue = Launch(
+        mhc_epilogue_kernel, grid=(triton.cdiv(t, config["epi_block_t"]),),
+        args=dict(res_ptr=post_args["new_res_ptr"] if has_post else inputs["residual"], splits=splits,
+                  **epilogue_args),
+        num_warps=config["num_warps"])
+    return gemm, epilogue
 
 
 def plan_pre(problem, inputs: dict, config: dict, out):
@@ -445,7 +474,8 @@ def _epilogue_values_per_thread(problem, config) -> int:
 PRE_SPACE = Space(
     params={"block_t": (16, 32, 64, 128), "block_d": tuple(2**e for e in range(2, 10)),
             "split_k": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (2, 3),
-            "epi_block_t": TOKEN_BLOCKS, "epi_block_d": tuple(2**e for e in range(7, 13))},
+            "epi_block_t": TOKEN_BLOCKS, "epi_block_d": tuple(2**e for e in range(7, 13)),
+            "epilogue": ("last_split", "own_launch")},
     gpu_only=("num_warps", "num_stages"),
     constraints={
         "n x block_d >= 16 (tl.dot's smallest K)": lambda p, c: _dot_k(p, c) >= 16,
@@ -453,7 +483,8 @@ PRE_SPACE = Space(
             lambda p, c: _dot_k(p, c) * max(c["block_t"], _mix_pad(p.streams)) <= MAX_NUMEL,
         "epi_block_t x n x epi_block_d <= 2^20 (Triton's largest tensor)":
             lambda p, c: c["epi_block_t"] * next_power_of_2(p.streams) * c["epi_block_d"] <= MAX_NUMEL,
-        "epi_block_t <= block_t (the epilogue walks the token tile)": lambda p, c: c["epi_block_t"] <= c["block_t"],
+        "epi_block_t <= block_t when the last split runs the epilogue (it walks the token tile)":
+            lambda p, c: c["epilogue"] != "last_split" or c["epi_block_t"] <= c["block_t"],
     },
     limits={
         f"n x block_d x (block_t + mixes) / threads <= {GEMM_VALUES_PER_THREAD} (registers)":
@@ -468,22 +499,24 @@ PRE_SPACE = Space(
 
 
 def pre_default(problem) -> dict:
-    """GPU: token tiles of 16 rows up to 256 tokens (the last split's epilogue, one CTA a tile, outweighs the
-    GEMM there), else 64 (fn's fp32 columns are split into tf32 parts once a tile), on 8 warps, block_d the widest within the register limits (up to 64;
-    below 16 in 16-row tiles), 2 stages; split_k so that tiles x splits ~ 2 programs per SM, with at least 4
-    block_d steps per split; the epilogue a token per program at 32 values per thread on 4 warps. Interpreter: one
-    split and the widest tiles, 2^16 values of tokens per epilogue program (each tl op costs about the same whatever
-    its size)."""
+    """GPU: token tiles of 16 rows up to 256 tokens (more GEMM CTAs than the splits alone give), else 64 (fn's
+    fp32 columns are split into tf32 parts once a tile), on 8 warps, block_d the widest within the register limits (up to 64; below 16 in 16-row tiles), 2
+    stages; split_k so that tiles x splits ~ 2 programs per SM, with at least 4 block_d steps per split; the
+    epilogue a token per program at 32 values per thread, in its own launch from 2 tokens on while the tiles would
+    leave half the SMs idle (a tile's last split runs it alone on one SM). Interpreter: one split and the widest tiles, 2^16 values of tokens per epilogue
+    program (each tl op costs about the same whatever its size), run by the last split (one launch)."""
     np_ = next_power_of_2(problem.streams)
     if flashkern.triton_interpreted():
         block_t = max(16, min(64, next_power_of_2(max(1, problem.tokens))))
         block_d = max(16, min(512, next_power_of_2(problem.hidden)))
         epi_block_d = max(128, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": block_t, "block_d": block_d, "split_k": 1, "num_warps": 8, "num_stages": 2,
-                "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d}
+                "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
+                "epilogue": "last_split"}
     block_t = 16 if problem.tokens <= 256 else 64
     config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 8, "num_stages": 2,
-              "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_)}
+              "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_),
+              "epilogue": "last_split"}
     while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
         if config["block_d"] > 16 or config["block_t"] == 16:
             config["block_d"] //= 2
@@ -492,6 +525,8 @@ def pre_default(problem) -> dict:
     if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
         config["block_d"] = min(config["block_d"], 16)
     tiles = triton.cdiv(max(1, problem.tokens), block_t)
+    if 1 < problem.tokens and 2 * tiles <= SMS:
+        config["epilogue"] = "own_launch"
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):
         config["split_k"] *= 2
