@@ -124,13 +124,14 @@ def test_chain_is_post_then_pre(backend, collapse):
     torch.testing.assert_close(chain.layer_input.float(), unfused.layer_input.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("backend, epilogue", (("triton", "last_split"), ("triton", "own_launch"), ("tilelang", None)))
+@pytest.mark.parametrize("epilogue", ("last_split", "own_launch"))
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("name", ("mhc_pre", "mhc_post_pre"))
 @pytest.mark.parametrize("collapse", COLLAPSES)
 def test_split_k_in_the_gpus_default_config(backend, epilogue, name, collapse):
     """The split-K path as the GPU runs it (the interpreter's default has one split): several splits of each token
     tile, a ragged last tile, the epilogue run by the tile's last split to count in (Triton: in sub-blocks), or
-    (Triton) by a second launch of 4-token programs, the last one ragged. Equal to the reference, bitwise
+    by a second launch (Triton: of 4-token programs, the last one ragged; TileLang: a block per token). Equal to the reference, bitwise
     repeatable, and within the fused tolerance of the one-split result."""
     op = OPS[name]
     # the narrowest widths whose GPU defaults split (TileLang splits from D = 1024 on), each with a ragged tail
@@ -139,9 +140,9 @@ def test_split_k_in_the_gpus_default_config(backend, epilogue, name, collapse):
     impl = op.implementation(backend)
     with flashkern.planning_for_gpu():
         config = impl.default_config(problem)
-    config = {**config, "block_t": 16}  # three token tiles
+    config = {**config, "block_t": 16, "epilogue": epilogue}  # three token tiles
     if backend == "triton":
-        config.update(epi_block_t=4, epilogue=epilogue)  # last split: four epilogue blocks a tile
+        config["epi_block_t"] = 4  # last split: four epilogue blocks a tile
     assert split_plan(problem.hidden, config["split_k"], config["block_d"])[0] > 1, config
     split = run_and_check(op, inputs, backend, config)
     again = op.entry(**inputs, backend=backend, config=config)

@@ -14,19 +14,20 @@ Tile plan:
              `sinkhorn` macro, also run by the epilogue).
   post       grid (T, cdiv(D, block_d)): a thread per column d of a token reads y and the n residual
              streams there and writes all n new streams (the `post_column` macro).
-  pre, post_pre: one launch, grid (cdiv(T, block_t), splits), (splits, chunk) = split_plan(D, split_k, block_d).
+  pre, post_pre: grid (cdiv(T, block_t), splits), (splits, chunk) = split_plan(D, split_k, block_d).
     Block (tile, s) walks its chunk of D in block_d steps through T.Pipelined: per stream j a T.copy of the
     residual tile x_j [block_t, block_d] (TMA on sm_90a; for post_pre the post mapping of the copied residual,
     stored to the new residual and rounded) and of fn's columns [M, block_d] fp32, split into three bf16 planes
     hi + mid + lo (each product with x's bf16 values exact in fp32, so the sum is fp32-accurate); acc [block_t,
     3 M] += x_j planes_j^T (T.gemm: wgmma from shared memory at 64 rows, mma.sync below); the squares, and for
-    "carried" / "stream0" the layer input itself, from the same tile. It writes its partials, then draws a ticket
-    (a barrier, one acq_rel atomic on the tile's counter); the last split to arrive sums the partials in split
-    order, forms the gates and Sinkhorn a thread per token, for "fresh" collapses the residual again (L2 at
-    decode) a row and epi_block_d columns at a time (a T.copy to registers), and with a norm rescales the stored rows.
+    "carried" / "stream0" the layer input itself, from the same tile. It writes its partials. The epilogue sums
+    them in split order, forms the gates and Sinkhorn a thread per token, for "fresh" collapses the residual again
+    (L2 at decode) a row and epi_block_d columns at a time (a T.copy to registers), and with a norm rescales the
+    stored rows. The tile's last split runs it (a ticket: a barrier, one acq_rel atomic on the tile's counter; one
+    launch), or a second launch does, a block per token (config "epilogue", `_programs`).
     Stream 0 is a select, never a one-hot multiply (which would turn another stream's inf into NaN).
-    Bound on an H200: HBM at 8192 tokens (the residual, twice for "fresh"); below, instruction issue of the tiles'
-    epilogues (docs/operators.md section 4).
+    Bound on an H200: HBM at 8192 tokens (the residual, twice for "fresh"); below, instruction issue
+    (docs/operators.md section 4).
 T, D and the split count are dynamic and the scalars (iters, the epsilons, post_mult) are run-time
 arguments, so one compiled kernel per source serves every token count and width; the collapse and the norm are
 compile-time. The CPU flavour takes bf16 as uint16
@@ -197,9 +198,10 @@ def _threads(config: dict) -> int:
     return max(128, 2 * config["block_t"])
 
 
-def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
+def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool, stage: str = "fused"):
     """The split-K GEMM pass over a token tile and, in the tile's last split to count in, the epilogue (module
-    docstring). post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way.
+    docstring). post_first: x is the post-mapped residual (mhc_post_pre), stored to NewRes on the way. stage:
+    "fused" (both, one launch), "gemm" (the pass alone) or "epilogue" (a block per token, after a "gemm" launch).
 
     The collapse and the norm are the problem's: PreIn [rows, n] is read only for "carried" (rows = T), Norm [width]
     only with has_norm (width = D); otherwise they are 1-row placeholders.
@@ -208,6 +210,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
     W = _plane_rows(M, config["block_t"])
     BT, BD, stages = config["block_t"], config["block_d"], config["num_stages"]
     ED = config["epi_block_d"]
+    ER = 1 if stage == "epilogue" else BT  # token rows of a block's epilogue
     NT, D, SP = T.dynamic("T"), T.dynamic("D"), T.dynamic("SP")  # SP = splits, allocated by the arguments
     PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
     plane = "bfloat16" if fl.on_gpu else "float32"  # the C target multiplies the same rounded values in fp32
@@ -339,8 +342,9 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
     @T.macro
     def epilogue(Src, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb, rms_eps, pre_eps,
                  sinkhorn_eps, post_mult, iters, norm_eps, bx, b):
-        """Gates, Sinkhorn and what is left of the layer input of tile bx, from every split's partials."""
-        t0 = bx * BT
+        """Gates, Sinkhorn and what is left of the layer input of tokens [ER bx, ER bx + ER), from every split's
+        partials."""
+        t0 = bx * ER
         m = T.alloc_local((n * n,), "float32")
         sums = T.alloc_local((n,), "float32")
         total = T.alloc_var("float32")
@@ -348,7 +352,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         gate = T.alloc_var("float32")
         weights = T.alloc_local((n,), "float32")
         # 1. split sums, in split order
-        for r, k in fl.parallel(BT, M):
+        for r, k in fl.parallel(ER, M):
             total = 0.0
             if t0 + r < NT:
                 for s in T.serial(SP):
@@ -356,7 +360,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
             b.mix[r, k] = total
         # 2. a thread per token: rms scale, gates, Sinkhorn; the pre as the collapse weights; the layer input's
         #    squares where the splits summed them
-        for r in fl.parallel(BT):
+        for r in fl.parallel(ER):
             if t0 + r < NT:  # rows past the tokens idle
                 total = 0.0
                 for s in T.serial(SP):
@@ -380,7 +384,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         # 3. "fresh": layer input = bf16(sum_i pre_i res_i), the residual read again (L2 at decode), a row of the
         #    tile's tokens epi_block_d columns at a time
         if problem.collapse == "fresh":
-            for row in T.serial(T.min(NT - t0, BT)):
+            for row in T.serial(T.min(NT - t0, ER)):
                 for i in T.unroll(n):  # the row's weights in registers
                     weights[i] = b.carried[row, i]
                 if problem.has_norm:
@@ -399,11 +403,11 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
                     b.li_rows[row] = b.li_part[0]
         # 4. RMSNorm of the stored rows: li * rsqrt(mean(li^2) + norm_eps) * w
         if problem.has_norm:
-            for r in fl.parallel(BT):
+            for r in fl.parallel(ER):
                 b.li_rows[r] = 1.0 / T.sqrt(b.li_rows[r] / T.Cast("float32", D) + norm_eps)
             if fl.on_gpu:
                 T.sync_threads()  # the rows were stored by other threads
-            for row in T.serial(T.min(NT - t0, BT)):
+            for row in T.serial(T.min(NT - t0, ER)):
                 weights[0] = b.li_rows[row]  # the row's scale in a register
                 for kd in T.serial(T.ceildiv(D, ED)):
                     T.copy(LayerInput[t0 + row, kd * ED:kd * ED + ED], b.stored)
@@ -415,39 +419,39 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
                             LayerInput[t0 + row, kd * ED + d] = fl.store_bf16(b.normed[d])
 
     def buffers():
-        """The block's buffers (shared memory and fragments on the GPU)."""
-        return SimpleNamespace(
-            x=[fl.shared((BT, BD), fl.bf16) for _ in range(n)],  # the GEMM's A side, a tile per stream
-            res=[fl.shared((BT, BD), fl.bf16) for _ in range(n if post_first else 0)],  # the residual post maps
-            y=fl.shared((BT, BD) if post_first else (1, 1), fl.bf16),
-            gates=fl.shared((BT, n), "float32"),  # post_first: the incoming post
-            mixing=fl.shared((BT, n * n), "float32"),  # post_first: the incoming comb
-            carried=fl.shared((BT, n), "float32"),  # the layer input's collapse weights
-            f=[fl.shared((M, BD), "float32") for _ in range(n)],  # fn's columns of the step
-            w=[fl.shared((W, BD), plane) for _ in range(n)],  # the B side: row p M + m is plane p of mix m
-            xf=fl.shared((BT, BD) if not fl.on_gpu else (1, 1), "float32"),  # the C target's decoded A side
-            acc=fl.fragment((BT, W), "float32"),
-            mixes=fl.shared((BT, W), "float32"),
-            mix=fl.shared((BT, M), "float32"),
-            li_rows=fl.shared((BT,), "float32"),  # the layer input's squares, then its norm's scale
-            squares=fl.fragment((BT, BD), "float32"),
-            sq=fl.fragment((BT,), "float32"),
-            **(dict(  # the norm pass's stored rows, weights and results
-                stored=fl.fragment((ED,), fl.bf16),
-                weight=fl.fragment((ED,), fl.bf16),
-                normed=fl.fragment((ED,), "float32"),
-            ) if problem.has_norm else {}),
-            **(dict(  # the epilogue's residual rows, layer input and its squares
-                rows=[fl.fragment((ED,), fl.bf16) for _ in range(n)],
-                li_row=fl.fragment((ED,), "float32"),
-                li_tile=fl.fragment((ED,), "float32"),
-                li_part=fl.fragment((1,), "float32"),
-            ) if problem.collapse == "fresh" else dict(  # the split pass's layer input squares
-                li_squares=fl.fragment((BT, BD), "float32"),
-                li_sq=fl.fragment((BT,), "float32"),
-            )),
-            ticket=fl.shared((1,), "int32"),
-        )
+        """The block's buffers (shared memory and fragments on the GPU), for its stage."""
+        b = SimpleNamespace(carried=fl.shared((ER, n), "float32"))  # the layer input's collapse weights
+        if stage != "epilogue":
+            b.__dict__.update(
+                x=[fl.shared((BT, BD), fl.bf16) for _ in range(n)],  # the GEMM's A side, a tile per stream
+                res=[fl.shared((BT, BD), fl.bf16) for _ in range(n if post_first else 0)],  # what post maps
+                y=fl.shared((BT, BD) if post_first else (1, 1), fl.bf16),
+                gates=fl.shared((BT, n), "float32"),  # post_first: the incoming post
+                mixing=fl.shared((BT, n * n), "float32"),  # post_first: the incoming comb
+                f=[fl.shared((M, BD), "float32") for _ in range(n)],  # fn's columns of the step
+                w=[fl.shared((W, BD), plane) for _ in range(n)],  # the B side: row p M + m is plane p of mix m
+                xf=fl.shared((BT, BD) if not fl.on_gpu else (1, 1), "float32"),  # the C target's decoded A side
+                acc=fl.fragment((BT, W), "float32"),
+                mixes=fl.shared((BT, W), "float32"),
+                squares=fl.fragment((BT, BD), "float32"),
+                sq=fl.fragment((BT,), "float32"),
+                ticket=fl.shared((1,), "int32"),
+            )
+            if problem.collapse != "fresh":  # the layer input's squares
+                b.__dict__.update(li_squares=fl.fragment((BT, BD), "float32"), li_sq=fl.fragment((BT,), "float32"))
+        if stage != "gemm":
+            b.__dict__.update(
+                mix=fl.shared((ER, M), "float32"),
+                li_rows=fl.shared((ER,), "float32"),  # the layer input's squares, then its norm's scale
+            )
+            if problem.has_norm:  # the norm pass's stored rows, weights and results
+                b.__dict__.update(stored=fl.fragment((ED,), fl.bf16), weight=fl.fragment((ED,), fl.bf16),
+                                  normed=fl.fragment((ED,), "float32"))
+            if problem.collapse == "fresh":  # the residual rows, the layer input and its squares
+                b.__dict__.update(rows=[fl.fragment((ED,), fl.bf16) for _ in range(n)],
+                                  li_row=fl.fragment((ED,), "float32"), li_tile=fl.fragment((ED,), "float32"),
+                                  li_part=fl.fragment((1,), "float32"))
+        return b
 
     @T.macro
     def fused(Y, Res, PostIn, CombIn, NewRes, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm, LayerInput,
@@ -456,12 +460,15 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         if problem.hidden % 8 == 0:  # rows of 16-byte multiples: the tiles' copies can be TMA
             T.assume(D % 8 == 0)
         b = buffers()
-        split_pass(Y, Res, PostIn, CombIn, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, chunk, bx, s, b)
-        arrive(Tickets, bx, b.ticket)
-        if b.ticket[0] == SP - 1:
+        if stage != "epilogue":
+            split_pass(Y, Res, PostIn, CombIn, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, chunk, bx, s, b)
+        if stage == "fused":
+            arrive(Tickets, bx, b.ticket)
+        if stage == "epilogue" or (stage == "fused" and b.ticket[0] == SP - 1):
             epilogue(NewRes if post_first else Res, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb,
                      rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, bx, b)
 
+    grid, threads = ((NT, 1), 128) if stage == "epilogue" else ((T.ceildiv(NT, BT), SP), _threads(config))
     if post_first:
         @T.prim_func
         def mhc_post_pre(
@@ -485,7 +492,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
             rms_eps: T.float32, pre_eps: T.float32, sinkhorn_eps: T.float32, post_mult: T.float32, iters: T.int32,
             norm_eps: T.float32, chunk: T.int32,
         ):
-            with T.Kernel(T.ceildiv(NT, BT), SP, threads=_threads(config)) as (bx, s):
+            with T.Kernel(*grid, threads=threads) as (bx, s):
                 fused(Y, Res, PostIn, CombIn, NewRes, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm,
                       LayerInput, Pre, Post, Comb, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps,
                       chunk, bx, s)
@@ -510,7 +517,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         rms_eps: T.float32, pre_eps: T.float32, sinkhorn_eps: T.float32, post_mult: T.float32, iters: T.int32,
         norm_eps: T.float32, chunk: T.int32,
     ):
-        with T.Kernel(T.ceildiv(NT, BT), SP, threads=_threads(config)) as (bx, s):
+        with T.Kernel(*grid, threads=threads) as (bx, s):
             fused(None, Res, None, None, None, Fn, MixParts, SqParts, Tickets, Scale, Base, PreIn, Norm, LayerInput,
                   Pre, Post, Comb, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, chunk, bx, s)
 
@@ -522,7 +529,10 @@ def _fused_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, ou
     residual = inputs["residual"]
     device = residual.device
     splits, chunk = split_plan(problem.hidden, config["split_k"], config["block_d"])
-    tickets = torch.zeros(-(-problem.tokens // config["block_t"]), dtype=torch.int32, device=device)  # per call
+    tiles = -(-problem.tokens // config["block_t"])
+    # per call, so calls on several streams never share them; unread when the epilogue has its own launch
+    tickets = (torch.zeros if config["epilogue"] == "last_split" else torch.empty)(tiles, dtype=torch.int32,
+                                                                                  device=device)
     pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, problem.streams), device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.zeros(1, dtype=torch.bfloat16, device=device)
     layer_input, pre, post, comb = outputs
@@ -534,25 +544,39 @@ def _fused_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, ou
             chunk]
 
 
+def _programs(problem: MhcProblem, config: dict, fl: Flavour, post_first: bool):
+    """One fused launch, or the GEMM pass and then the epilogue, a block per token (config "epilogue")."""
+    if config["epilogue"] == "last_split":
+        return _fused_program(problem, config, fl, post_first)
+    return tuple(_fused_program(problem, config, fl, post_first, stage) for stage in ("gemm", "epilogue"))
+
+
+def _stage_args(config: dict, args: list | None):
+    """The launch's arguments, once per stage: both stages read and write the same buffers."""
+    return args if args is None or config["epilogue"] == "last_split" else (args, args)
+
+
 def pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    return _fused_program(problem, config, fl, post_first=False)
+    return _programs(problem, config, fl, post_first=False)
 
 
 def pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
         return None
-    return [fl.bf16_arg(fl.tma_arg(inputs["residual"])), *_fused_args(problem, inputs, config, fl, out)]
+    return _stage_args(config, [fl.bf16_arg(fl.tma_arg(inputs["residual"])),
+                                *_fused_args(problem, inputs, config, fl, out)])
 
 
 def post_pre_program(problem: MhcProblem, config: dict, fl: Flavour):
-    return _fused_program(problem, config, fl, post_first=True)
+    return _programs(problem, config, fl, post_first=True)
 
 
 def post_pre_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
         return None
-    return [fl.bf16_arg(fl.tma_arg(inputs["y"])), fl.bf16_arg(fl.tma_arg(inputs["residual"])), inputs["post"],
-            inputs["comb"], fl.bf16_arg(out.residual), *_fused_args(problem, inputs, config, fl, out[1:])]
+    return _stage_args(config, [fl.bf16_arg(fl.tma_arg(inputs["y"])), fl.bf16_arg(fl.tma_arg(inputs["residual"])),
+                                inputs["post"], inputs["comb"], fl.bf16_arg(out.residual),
+                                *_fused_args(problem, inputs, config, fl, out[1:])])
 
 
 # ---------------------------------------------------------------- tuning spaces
@@ -598,7 +622,7 @@ def post_default(problem: MhcProblem) -> dict:
 
 PRE_SPACE = Space(
     params={"block_t": (16, 32, 64, 128), "block_d": (16, 32, 64), "split_k": (1, 2, 4, 8, 16, 32, 64, 128), "num_stages": (1, 2, 3),
-            "epi_block_d": (256, 512, 1024, 2048)},
+            "epi_block_d": (256, 512, 1024, 2048), "epilogue": ("last_split", "own_launch")},
     gpu_only=("num_stages",),
     limits={"shared memory <= 200 KiB": lambda p, c: _shared_bytes(p, c) <= SHARED_LIMIT},
 )
@@ -611,14 +635,17 @@ def pre_default(problem: MhcProblem) -> dict:
     outweighs the GEMM; 64 (a warpgroup's wgmma) above. The widest block_d that fits shared memory in 2 stages
     (else 16 in 1 stage: n = 8). From D = 1024 on (smaller D gains nothing from splitting) split_k so that tiles x
     splits stays within the SMs (a block an SM: its shared memory), with at least 4 block_d steps a split (decode
-    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue 2048 columns a step."""
+    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue 2048 columns a step, in its own launch (a block
+    per token) from 2 tokens on while the tiles number at most an eighth of the SMs."""
     block_t = 16 if problem.tokens <= 2048 else 64
     config = next(c for c in ({"block_t": block_t, "block_d": block_d, "split_k": 1, "num_stages": stages,
-                               "epi_block_d": 2048}
+                               "epi_block_d": 2048, "epilogue": "last_split"}
                               for block_d, stages in ((64, 2), (32, 2), (16, 2), (16, 1)))
                   if not PRE_SPACE.violations(problem, c))
+    tiles = -(-max(problem.tokens, 1) // block_t)
+    if 1 < problem.tokens and 8 * tiles <= SMS:  # the last splits would leave most SMs idle
+        config["epilogue"] = "own_launch"
     if problem.hidden >= 1024:
-        tiles = -(-max(problem.tokens, 1) // block_t)
         wanted = min(SMS // tiles, problem.hidden // (4 * config["block_d"]))
         config["split_k"] = max(v for v in PRE_SPACE.params["split_k"] if v <= max(1, wanted))
     return config

@@ -500,11 +500,12 @@ PRE_SPACE = Space(
 
 def pre_default(problem) -> dict:
     """GPU: token tiles of 16 rows up to 256 tokens (more GEMM CTAs than the splits alone give), else 64 (fn's
-    fp32 columns are split into tf32 parts once a tile), on 8 warps, block_d the widest within the register limits (up to 64; below 16 in 16-row tiles), 2
-    stages; split_k so that tiles x splits ~ 2 programs per SM, with at least 4 block_d steps per split; the
-    epilogue a token per program at 32 values per thread, in its own launch from 2 tokens on while the tiles would
-    leave half the SMs idle (a tile's last split runs it alone on one SM). Interpreter: one split and the widest tiles, 2^16 values of tokens per epilogue
-    program (each tl op costs about the same whatever its size), run by the last split (one launch)."""
+    fp32 columns are split into tf32 parts once a tile), on 8 warps; block_d the widest within the register
+    limits (up to 64; below 16 in 16-row tiles), 2 stages; split_k so that tiles x splits ~ 2 programs per SM,
+    with at least 4 block_d steps per split; the epilogue a token per program at 32 values per thread, in its
+    own launch from 2 tokens on while the tiles number at most an eighth of the SMs (a tile's last split runs it
+    alone on one SM). Interpreter: one split and the widest tiles, 2^16 values of tokens per epilogue program
+    (each tl op costs about the same whatever its size), run by the last split (one launch)."""
     np_ = next_power_of_2(problem.streams)
     if flashkern.triton_interpreted():
         block_t = max(16, min(64, next_power_of_2(max(1, problem.tokens))))
@@ -525,7 +526,7 @@ def pre_default(problem) -> dict:
     if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
         config["block_d"] = min(config["block_d"], 16)
     tiles = triton.cdiv(max(1, problem.tokens), block_t)
-    if 1 < problem.tokens and 2 * tiles <= SMS:
+    if 1 < problem.tokens and 8 * tiles <= SMS:  # the last splits would leave most SMs idle
         config["epilogue"] = "own_launch"
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):
