@@ -5,9 +5,12 @@ only (--time-interpreted to time it).
   sparse_decode_attention: 16-head groups (every record gathered and decoded by each group of a token) against the
       default (a token's 64 heads in one CTA where the backend's builds allow it), T = 1 to 4096;
   sparse_mqa_logits: Triton's earlier form (every candidate's score kept, one top-k over the row's 16384) against
-      spans that keep their best top_k; TileLang's 8-tile spans against its default (a tile per span).
+      spans that keep their best top_k; TileLang's 8-tile spans against its default (a tile per span);
+  mhc_pre, mhc_post_pre: the epilogue run by each token tile's last split (one launch) against the default (its own
+      launch, a program per token, at small batches; the same where the default keeps the last split).
 
-Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits] [--tokens 1,8,64,4096]
+Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits,mhc_pre,mhc_post_pre]
+     [--tokens 1,8,64,4096]
      [--budget 0.2] [--json out.json]
 """
 
@@ -21,7 +24,11 @@ from flashkern import registry
 from flashkern.autotune.timing import measure
 from flashkern.kernels.kv_cache import V41_HEADS, V41_TOPK, V41_WINDOW, AttentionProblem
 
-DESIGNS = {  # operator -> backend -> (design name, config): each is timed beside the backend's default
+def _last_split_epilogue(default: dict) -> dict:
+    return {**default, "epilogue": "last_split"}
+
+
+DESIGNS = {  # operator -> backend -> (design name, config or default -> config): timed beside the default
     "sparse_decode_attention": {
         "triton": ("16-head groups", {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8,
                                       "num_stages": 2}),
@@ -31,6 +38,8 @@ DESIGNS = {  # operator -> backend -> (design name, config): each is timed besid
         "triton": ("every candidate kept", {"block_n": 256, "tiles": 1, "num_warps": 8}),
         "tilelang": ("8-tile spans", {"block_n": 128, "tiles": 8, "threads": 128}),
     },
+    **{op_name: dict.fromkeys(("triton", "tilelang"), ("epilogue by the last split", _last_split_epilogue))
+       for op_name in ("mhc_pre", "mhc_post_pre")},
 }
 
 
@@ -49,7 +58,10 @@ def rows(op_names, tokens, budget: float, device: torch.device, time_interpreted
             expected = op.reference(**inputs)
             for impl in op.implementations:
                 reason = impl.unavailable(info)
-                for design, config in (DESIGNS[op_name][impl.name], ("default", impl.default_config(problem))):
+                default = impl.default_config(problem)
+                design, alternative = DESIGNS[op_name][impl.name]
+                alternative = alternative(default) if callable(alternative) else alternative
+                for design, config in ((design, alternative), ("default", default)):
                     row = dict(op=op_name, problem=problem.key, backend=impl.name, design=design, config=config)
                     if reason:
                         yield dict(row, status=f"unavailable: {reason}")
@@ -86,9 +98,9 @@ def main() -> None:
         timed = (f"{row['median_s'] * 1e6:.1f} us | {row['iqr_s'] * 1e6:.1f} us" if "median_s" in row else " | ")
         print(f"| {row['op']} | {row['problem']} | {row['backend']} | {row['design']} | {timed} | {row['status']} |",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(found, f, indent=1)
+        if args.json:  # after every row: a run cut short by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(found, f, indent=1)
 
 
 if __name__ == "__main__":
