@@ -1,5 +1,7 @@
 """Host-side tile arithmetic shared by the kernels' layouts, tuning rules and default configs."""
 
+SMS = 132  # H100 / H200 SXM: the GPU default configs size their grids for this many SMs
+
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n, for n >= 1 (triton.next_power_of_2 is a constexpr function costing

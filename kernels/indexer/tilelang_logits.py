@@ -51,6 +51,7 @@ from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.indexer import tilelang_topk
 from flashkern.kernels.indexer.problem import (LogitsProblem, PagedProblem, SparseProblem, kept_per_span, kept_width,
                                                span_slots)
+from flashkern.kernels.tiles import SMS
 
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
 NO_POSITION = -1
@@ -620,9 +621,6 @@ SPARSE_SPACE = Space(
     gpu_only=("threads",),
     limits={REGISTERS: lambda p, c: _accumulator_values(p.indexer, 1, c) <= 128},
 )
-
-
-SMS = 132  # H100 / H200
 
 
 def _tiles_a_block(key_tiles: int, other_blocks: int) -> int:

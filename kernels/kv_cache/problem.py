@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from flashkern.kernels.tiles import SMS
 from flashkern.reference.kv_cache import FORMATS, LATENT, AttentionOutputs
 from flashkern.registry import SizedProblem
 
@@ -75,9 +76,6 @@ def paged(records: torch.Tensor, block_size: int = CACHE_BLOCK, fill: int = 0) -
     return cache.view(blocks, block_size, records.shape[1])
 
 
-H200_SMS = 132  # the split plan aims at one wave of CTAs on an H200
-
-
 @dataclass(frozen=True)
 class KeySplits:
     """How sparse_decode_attention walks its keys: a token's selected keys are key blocks of block_n entries, first
@@ -104,6 +102,6 @@ def key_splits(problem: AttentionProblem, block_h: int, block_n: int, max_splits
     kv_blocks, swa_blocks = -(-problem.topk // block_n), -(-problem.window // block_n)
     blocks = kv_blocks + swa_blocks
     ctas = max(problem.tokens * -(-problem.heads // block_h), 1)
-    wanted = max(1, min(max_splits, H200_SMS // ctas, blocks))
+    wanted = max(1, min(max_splits, SMS // ctas, blocks))
     per_split = -(-blocks // wanted) if blocks else 1
     return KeySplits(kv_blocks, swa_blocks, -(-blocks // per_split) if blocks else 1, per_split)

@@ -32,6 +32,7 @@ from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton.codecs import (F32_ABS, F32_INF, bf16_to_f32, e2m1_decode, e2m1_encode, e4m3_decode,
                                               e4m3_encode, ue8m0_ceil, ue8m0_decode, ue8m0_reciprocal)
+from flashkern.kernels.tiles import SMS
 from flashkern.reference import formats
 from flashkern.reference.kv_cache import FORMATS, FP4_MIN_SCALE, LATENT, MXFP8_MIN_EXPONENT
 
@@ -220,7 +221,6 @@ def plan_dequantize(problem, inputs: dict, config: dict, out: torch.Tensor) -> L
 # take 96-136, 128 take 188-255 and mxfp8 spilled 356 B (32 rows on 4 warps, 64 on 8). Dequantize: 128 values per
 # thread take 157-229 registers without spilling. Shared memory: a few KB of layout conversions.
 INTERPRETED_TILE = 2**16  # values per interpreted program: large enough that the per-op cost amortizes
-SMS = 132  # H200
 
 
 def _values_per_thread(problem, config) -> int:

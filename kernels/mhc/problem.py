@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from flashkern.kernels.tiles import SMS
 from flashkern.reference.mhc import COLLAPSES, ChainOutputs, PreOutputs, mix_width
 from flashkern.registry import SizedProblem
 
@@ -87,6 +88,13 @@ def empty_partials(problem: MhcProblem, splits: int, device) -> tuple[torch.Tens
     (of x, and of the layer input where the GEMM stage stores it)."""
     return (torch.empty(splits, problem.tokens, problem.mixes, dtype=torch.float32, device=device),
             torch.empty(splits, problem.tokens, 2, dtype=torch.float32, device=device))
+
+
+def epilogue_launch(tokens: int, tiles: int) -> str:
+    """Who runs the pre block's epilogue by default: "own_launch" (a second launch, a program per token) from 2
+    tokens while the token tiles number at most an eighth of the SMs, where each tile's last split would run it
+    alone on one SM and leave most SMs idle; else "last_split" (one launch)."""
+    return "own_launch" if 1 < tokens and 8 * tiles <= SMS else "last_split"
 
 
 def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:

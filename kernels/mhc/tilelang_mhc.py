@@ -41,12 +41,13 @@ from types import SimpleNamespace
 import tilelang.language as T
 import torch
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import next_power_of_2
+from flashkern.kernels.tiles import SMS, next_power_of_2
 from flashkern.kernels._tilelang import Flavour
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
     SinkhornProblem,
     empty_partials,
+    epilogue_launch,
     split_plan,
 )
 
@@ -435,8 +436,9 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
                 mixes=fl.shared((BT, W), "float32"),
                 squares=fl.fragment((BT, BD), "float32"),
                 sq=fl.fragment((BT,), "float32"),
-                ticket=fl.shared((1,), "int32"),
             )
+            if stage == "fused":
+                b.ticket = fl.shared((1,), "int32")
             if problem.collapse != "fresh":  # the layer input's squares
                 b.__dict__.update(li_squares=fl.fragment((BT, BD), "float32"), li_sq=fl.fragment((BT,), "float32"))
         if stage != "gemm":
@@ -627,24 +629,21 @@ PRE_SPACE = Space(
     limits={"shared memory <= 200 KiB": lambda p, c: _shared_bytes(p, c) <= SHARED_LIMIT},
 )
 
-SMS = 132  # H100 / H200
-
 
 def pre_default(problem: MhcProblem) -> dict:
-    """Token tiles of 16 rows (mma.sync) up to 2048 tokens, where the epilogue's collapse, spread over the tiles,
-    outweighs the GEMM; 64 (a warpgroup's wgmma) above. The widest block_d that fits shared memory in 2 stages
-    (else 16 in 1 stage: n = 8). From D = 1024 on (smaller D gains nothing from splitting) split_k so that tiles x
-    splits stays within the SMs (a block an SM: its shared memory), with at least 4 block_d steps a split (decode
-    and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue 2048 columns a step, in its own launch (a block
-    per token) from 2 tokens on while the tiles number at most an eighth of the SMs."""
+    """Token tiles of 16 rows (mma.sync) up to 2048 tokens: more tiles, more blocks for the GEMM and, where the
+    tiles' last splits run it, for the epilogue; 64 (a warpgroup's wgmma) above. The widest block_d that fits
+    shared memory in 2 stages (else 16 in 1 stage: n = 8). From D = 1024 on (smaller D gains nothing from
+    splitting) split_k so that tiles x splits stays within the SMs (a block an SM: its shared memory), with at
+    least 4 block_d steps a split (decode and 128 tokens: 16 splits; 1024: 2; 8192: 1). The epilogue 2048 columns
+    a step, run as `epilogue_launch` says (its own launch, a block per token, at small batches)."""
     block_t = 16 if problem.tokens <= 2048 else 64
     config = next(c for c in ({"block_t": block_t, "block_d": block_d, "split_k": 1, "num_stages": stages,
-                               "epi_block_d": 2048, "epilogue": "last_split"}
+                               "epi_block_d": 2048}
                               for block_d, stages in ((64, 2), (32, 2), (16, 2), (16, 1)))
                   if not PRE_SPACE.violations(problem, c))
     tiles = -(-max(problem.tokens, 1) // block_t)
-    if 1 < problem.tokens and 8 * tiles <= SMS:  # the last splits would leave most SMs idle
-        config["epilogue"] = "own_launch"
+    config["epilogue"] = epilogue_launch(problem.tokens, tiles)
     if problem.hidden >= 1024:
         wanted = min(SMS // tiles, problem.hidden // (4 * config["block_d"]))
         config["split_k"] = max(v for v in PRE_SPACE.params["split_k"] if v <= max(1, wanted))

@@ -39,9 +39,9 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import next_power_of_2
+from flashkern.kernels.tiles import SMS, next_power_of_2
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.mhc.problem import empty_partials, split_plan
+from flashkern.kernels.mhc.problem import empty_partials, epilogue_launch, split_plan
 from flashkern.reference.mhc import mix_width
 
 
@@ -391,7 +391,6 @@ def plan_post_pre(problem, inputs: dict, config: dict, out):
 # Post kernel: [NP, block_d]; 64 values per thread take 128 registers, 128 take 211-255, 256 spill (4104 B).
 # Sinkhorn: [block_b, NP, NP] with a few tiles live; 64 values per thread take 145-208 registers, 128 spill.
 MAX_NUMEL = 2**20  # Triton's largest tensor
-SMS = 132  # H200
 GEMM_VALUES_PER_THREAD = 24
 
 
@@ -515,11 +514,12 @@ def pre_default(problem) -> dict:
                 "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
                 "epilogue": "last_split"}
     block_t = 16 if problem.tokens <= 256 else 64
+    tiles = triton.cdiv(max(1, problem.tokens), block_t)
     # 16 rows are one MMA tile in M, so the warps split its N side and each redoes the tile's elementwise work
     # (the post mapping, the squares): 4 warps, not 8 (model, 128 tokens: mhc_post_pre 17.4 -> 12.0 us)
     config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 4 if block_t == 16 else 8,
               "num_stages": 2, "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_),
-              "epilogue": "last_split"}
+              "epilogue": epilogue_launch(problem.tokens, tiles)}
     while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
         if config["block_d"] > 16 or config["block_t"] == 16:
             config["block_d"] //= 2
@@ -527,9 +527,6 @@ def pre_default(problem) -> dict:
             config["block_t"] //= 2
     if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
         config["block_d"] = min(config["block_d"], 16)
-    tiles = triton.cdiv(max(1, problem.tokens), block_t)
-    if 1 < problem.tokens and 8 * tiles <= SMS:  # the last splits would leave most SMs idle
-        config["epilogue"] = "own_launch"
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):
         config["split_k"] *= 2
