@@ -30,6 +30,7 @@ from flashkern.reference.kv_cache import FORMATS, LATENT
 NEG_INF = -T.infinity("float32")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
+COMBINE_HEADS, COMBINE_COLUMNS = 4, 128  # a combine block's tile: 64 blocks at T = 1, H = 64
 BF16_PER_16_BYTES = 8
 
 
@@ -219,11 +220,12 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
 
 
 def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
-    """Stage 2 (module docstring): merge the splits' partials [splits, T, H, ..] of a (token, head), the sink
-    joining. Every thread takes the split weights exp(shift(m_s) - shift) / d into shared memory (the same values,
-    one split a thread), then sums its columns over the splits that ran: loops over the run-time split count, so a
-    plan with few splits issues no work for the rest."""
-    MS = config["max_splits"]
+    """Stage 2 (module docstring): merge the splits' partials [splits, T, H, ..], the sink joining. A block takes
+    COMBINE_HEADS heads x COMBINE_COLUMNS columns of a token (Triton's combine tile): the heads' split weights
+    exp(shift(m_s) - shift) / d from two row reductions over the [heads, max_splits] tile of maxima and sums, into
+    shared memory once; then each column sums its partials over the splits that ran (a loop over the run-time
+    split count: a plan with few splits loads nothing for the rest)."""
+    MS, CH, CD = config["max_splits"], COMBINE_HEADS, COMBINE_COLUMNS
     NT, H, SP = T.dynamic("T"), T.dynamic("heads"), T.dynamic("splits")
 
     @T.prim_func
@@ -235,27 +237,39 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
         Lse: T.Tensor((NT, H), "float32"),
         has_sink: T.int32,
     ):
-        with T.Kernel(NT, H, threads=COMBINE_THREADS) as (t, h):
-            weight = fl.shared((MS,), "float32")
-            sink = T.alloc_var("float32", init=_sink(Sink, h, has_sink))
-            shift = T.alloc_var("float32", init=sink)
-            total = T.alloc_var("float32")
-            value = T.alloc_var("float32")
+        with T.Kernel(NT, T.ceildiv(H, CH), LATENT // CD, threads=COMBINE_THREADS) as (t, head_block, column_block):
+            m = fl.fragment((CH, MS), "float32")  # each split's max, then its term of d
+            rescale = fl.fragment((CH, MS), "float32")
+            shift = fl.fragment((CH,), "float32")
+            total = fl.fragment((CH,), "float32")
+            weight = fl.shared((CH, MS), "float32")
+            acc = fl.fragment((CH, CD), "float32")
+            h0, d0 = head_block * CH, column_block * CD
+            for h, s in fl.parallel(CH, MS):  # splits past SP and heads past H: no weight
+                m[h, s] = T.if_then_else((s < SP) & (h0 + h < H),
+                                         PartialML[T.min(s, SP - 1), t, T.min(h0 + h, H - 1), 0], NEG_INF)
+            T.reduce_max(m, shift, dim=1)
+            for h in fl.parallel(CH):
+                shift[h] = _shift(T.max(shift[h], _sink(Sink, T.min(h0 + h, H - 1), has_sink)))
+            for h, s in fl.parallel(CH, MS):
+                rescale[h, s] = _rescale(m[h, s], shift[h])
+                m[h, s] = rescale[h, s] * T.if_then_else(
+                    (s < SP) & (h0 + h < H), PartialML[T.min(s, SP - 1), t, T.min(h0 + h, H - 1), 1], 0.0)
+            T.reduce_sum(m, total, dim=1)
+            for h in fl.parallel(CH):  # the sink joins d (0 without a sink)
+                total[h] = total[h] + T.exp(_sink(Sink, T.min(h0 + h, H - 1), has_sink) - shift[h])
+                if (column_block == 0) & (h0 + h < H):
+                    Lse[t, h0 + h] = shift[h] + T.log(total[h])
+            for h, s in fl.parallel(CH, MS):
+                weight[h, s] = T.if_then_else(total[h] > 0.0, rescale[h, s] / total[h], 0.0)
+            for h, d in fl.parallel(CH, CD):
+                acc[h, d] = 0.0
             for s in T.serial(SP):
-                shift = T.max(shift, PartialML[s, t, h, 0])
-            shift = _shift(shift)
-            total = T.exp(sink - shift)  # 0 without a sink
-            for s in T.serial(SP):
-                total = total + _rescale(PartialML[s, t, h, 0], shift) * PartialML[s, t, h, 1]
-            for s in fl.parallel(MS):
-                weight[s] = T.if_then_else(
-                    (s < SP) & (total > 0.0), _rescale(PartialML[T.min(s, SP - 1), t, h, 0], shift) / total, 0.0)
-            Lse[t, h] = shift + T.log(total)
-            for d in fl.parallel(LATENT):
-                value = 0.0
-                for s in T.serial(SP):
-                    value = value + PartialO[s, t, h, d] * weight[s]
-                Out[t, h, d] = fl.store_bf16(value)
+                for h, d in fl.parallel(CH, CD):
+                    acc[h, d] = acc[h, d] + PartialO[s, t, T.min(h0 + h, H - 1), d0 + d] * weight[h, s]
+            for h, d in fl.parallel(CH, CD):
+                if h0 + h < H:
+                    Out[t, h0 + h, d0 + d] = fl.store_bf16(acc[h, d])
 
     return combine_splits
 
