@@ -5,6 +5,10 @@ Scoring, for query rows m with H heads and keys n (dimension D), on dequantized 
     logits[m, n] = sum_h w[m, h] * relu(q[m, h] . k[n]) * k_scale[n]    for ks[m] <= n < ke[m]
                  = -inf                                                  elsewhere
 
+FP8: k_scale[n] (the key's fp32 scale) multiplies the head sum, as written (and as DeepGEMM applies it), not the
+key before the relu: the two agree for the non-negative scales a quantizer writes, and this one is defined for
+every scale. MXFP4: the factor is 1; the power-of-two block scales are applied when q and k are unpacked.
+
 Out-of-range values (any int32 index value is memory-safe; nothing outside a tensor is read, and
 what an out-of-range value points at counts as padding):
 - ks, ke: row m scores key n iff max(ks[m], 0) <= n < min(ke[m], N); empty when ks >= ke.
@@ -118,13 +122,6 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def dequantize_keys(k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
-    """Keys as fp32 [..., D] with their scale applied: e4m3 * per-key scale, or MXFP4 blocks."""
-    if k.dtype == torch.float8_e4m3fn:
-        return k.float() * k_scale[..., None]
-    return unpack_mxfp4(k, k_scale)
-
-
 def dequantize_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
     return q.float() if q.dtype == torch.float8_e4m3fn else unpack_mxfp4(q, q_scale)
 
@@ -169,9 +166,20 @@ def score_keys(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Te
     return (dots.relu() * w[:, :, None]).sum(dim=1)
 
 
+def key_logits(q, q_scale, w, k, k_scale) -> torch.Tensor:
+    """The module docstring's logits [M, N] before masking, for keys k [N, ..] (k_scale [N, ..]) or per row
+    [M, N, ..] (k_scale [M, N, ..]): FP8, the head sum over the e4m3 values times the key's fp32 scale (after the
+    relu, so a scale of any sign gives the formula's value); MXFP4, on the unpacked values (their power-of-two
+    block scales applied inside the dot products)."""
+    queries = dequantize_queries(q, q_scale)
+    if k.dtype == torch.float8_e4m3fn:
+        return score_keys(queries, w.float(), k.float()) * k_scale.float()
+    return score_keys(queries, w.float(), unpack_mxfp4(k, k_scale))
+
+
 def mqa_logits(q, k, k_scale, w, ks, ke, q_scale=None, logits_dtype=torch.float32) -> torch.Tensor:
     """Dense ragged indexer logits [M, N] fp32 or bf16 (see the module docstring)."""
-    logits = score_keys(dequantize_queries(q, q_scale), w.float(), dequantize_keys(k, k_scale))
+    logits = key_logits(q, q_scale, w, k, k_scale)
     n = torch.arange(k.shape[0], device=k.device)
     inside = (n >= ks[:, None]) & (n < ke[:, None])
     return logits.masked_fill(~inside, -torch.inf).to(logits_dtype)
@@ -201,10 +209,9 @@ def paged_mqa_logits(q, k_cache, k_scale, w, block_table, context_lens, q_scale=
     followed = ((pages >= 0) & (pages < cache_blocks)).repeat_interleave(block_size, dim=1)  # [B, width]
     pages = pages.clamp(0, cache_blocks - 1)
     for b in range(batch):
-        keys = dequantize_keys(k_cache[pages[b]], k_scale[pages[b]]).flatten(0, 1)  # [width, D]
         rows = slice(b * next_n, (b + 1) * next_n)
-        queries = dequantize_queries(q[b], None if q_scale is None else q_scale[b])
-        scores = score_keys(queries, w[rows].float(), keys)
+        scores = key_logits(q[b], None if q_scale is None else q_scale[b], w[rows], k_cache[pages[b]].flatten(0, 1),
+                            k_scale[pages[b]].flatten(0, 1))  # keys [width, ..]
         logits[rows] = scores.masked_fill(~(visible[b] & followed[b]), -torch.inf)
     return logits.to(logits_dtype)
 
@@ -294,8 +301,7 @@ def candidate_scores(q, k, k_scale, w, ks, ke, blocks, block=8, q_scale=None):
     if k.shape[0] == 0:
         return positions, torch.full(positions.shape, -torch.inf, device=positions.device)
     gathered = positions.clamp(0, k.shape[0] - 1).long()
-    keys = dequantize_keys(k[gathered], k_scale[gathered])  # only the candidates' keys
-    scores = score_keys(dequantize_queries(q, q_scale), w.float(), keys)
+    scores = key_logits(q, q_scale, w, k[gathered], k_scale[gathered])  # only the candidates' keys
     return positions, scores.masked_fill(~inside, -torch.inf)
 
 

@@ -147,6 +147,25 @@ def test_quantized_scores_track_bf16_scores(backend, fmt, limit):
 
 
 @pytest.mark.parametrize("backend", ("reference", *KERNELS))
+def test_fp8_key_scale_multiplies_the_head_sum(backend):
+    """FP8: logits = (sum_h w relu(q . k)) x k_scale, the scale after the relu (docs/operators.md section 2); with
+    negative scales that differs from scaling the key first (relu(q . k x k_scale)), which this tells apart."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 8, 64, generator=gen).to(torch.float8_e4m3fn)
+    k = torch.randn(50, 64, generator=gen).to(torch.float8_e4m3fn)
+    k_scale = -torch.rand(50, generator=gen) - 0.5
+    w = torch.randn(4, 8, generator=gen)
+    ks, ke = torch.zeros(4, dtype=torch.int32), torch.full((4,), 50, dtype=torch.int32)
+    dots = torch.einsum("mhd,nd->mhn", q.float(), k.float())
+    after = ((dots.relu() * w[:, :, None]).sum(1) * k_scale).float()
+    before = ((dots * k_scale).relu() * w[:, :, None]).sum(1)
+    logits = flashkern.ops.mqa_logits(**on_device(dict(q=q, k=k, k_scale=k_scale, w=w, ks=ks, ke=ke)),
+                                      backend=backend).cpu()
+    torch.testing.assert_close(logits, after, atol=1e-4, rtol=1e-5)
+    assert (logits - before).abs().max() > 1.0
+
+
+@pytest.mark.parametrize("backend", ("reference", *KERNELS))
 @pytest.mark.parametrize("name, problem", [("mqa_logits", LogitsProblem(5, 300)),
                                            ("paged_mqa_logits", PagedProblem(3, 3, 1, 64, Indexer(32, 128, "mxfp4")))])
 def test_bf16_logits_are_the_fp32_logits_rounded_to_nearest_even(name, problem, backend):

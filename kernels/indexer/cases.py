@@ -43,7 +43,8 @@ def _logits_dtype(problem) -> torch.dtype:
 
 
 def quantized(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen, magnitude: float) -> dict:
-    """q, k, k_scale, q_scale and w in the drawn format; some keys all zero (a zero scale row)."""
+    """q, k, k_scale, q_scale and w in the drawn format; some keys all zero (a zero scale row); FP8: some key
+    scales negative (the scale multiplies the head sum, after the relu: reference/indexer.py)."""
     h, d = indexer.heads, indexer.dim
     q = torch.randn(*q_lead, h, d, generator=gen) * magnitude
     k = torch.randn(*k_lead, d, generator=gen) * magnitude
@@ -51,6 +52,7 @@ def quantized(indexer: Indexer, q_lead: tuple, k_lead: tuple, gen, magnitude: fl
     w = torch.randn(*q_lead, h, generator=gen)
     if indexer.fmt == "fp8":
         (q8, q_fold), (k8, k_scale) = ref.quantize_fp8_rows(q), ref.quantize_fp8_rows(k)
+        k_scale.view(-1)[3::5] *= -1
         return dict(q=q8, k=k8, k_scale=k_scale, q_scale=None, w=w * q_fold)
     (qp, q_scale), (kp, k_scale) = ref.quantize_mxfp4(q), ref.quantize_mxfp4(k)
     return dict(q=qp, k=kp, k_scale=k_scale, q_scale=q_scale, w=w)

@@ -22,10 +22,11 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
      padded to HP, a power of two >= 16) -> q_tile [CH * rows * HP, DC] (chunk c of D in the
      c-th row block), operands exact in e4m3 on GPU (e2m1 codes converted), decoded fp32 on CPU;
      scores acc [BN, rows * HP] = k_tile . q_tile^T (fp32 accumulate):
-       fp8    one gemm over D (CH = 1); each score times k_scale[n] (before the relu, as the reference)
+       fp8    one gemm over D (CH = 1); k_scale[n] times the head sum below (the reference's order)
        mxfp4  one gemm per 32-wide chunk c of D (CH = D / 32), each added with the weight
               2^(q_e - 127) * 2^(k_e - 127) (exact powers of two; a 0xFF byte is NaN)
-     then relu (NaN kept), times w[m, h] (padded heads give 0), and a sum over the HP heads of each row.
+     then relu (NaN kept), times w[m, h] (padded heads give 0), and a sum over the HP heads of each row
+     (fp8: times k_scale[n]).
   3. store the [rows, BN] tile through a staging tile: the score where lo <= key_pos < hi, else -inf;
      fp32, or rounded to nearest-even bf16 (sparse: into the span's scores in shared memory, which the
      top-k stage's radix select then cuts to the span's best min(top_k, span); sparse_select_program).
@@ -209,12 +210,11 @@ class _TileMacros:
 
         @T.macro
         def mma(k_tile, k_scale, q_tile, w_tile, q_scale, logits):
-            """logits[n, r] = sum_h w[r, h] relu(q[r, h] . k[n] x scales) (padded heads give 0)."""
+            """logits[n, r] = sum_h w[r, h] relu(q[r, h] . k[n]) x k_scale[n] (fp8; MXFP4: the block scales inside the
+            dot products; padded heads give 0)."""
             acc = fl.fragment((BN, RH), "float32")
             if st.fp8:
                 T.gemm(k_tile, q_tile, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for n, i in fl.parallel(BN, RH):
-                    acc[n, i] = acc[n, i] * k_scale[n]
             else:
                 part = fl.fragment((BN, RH), "float32")
                 for n, i in fl.parallel(BN, RH):
@@ -229,6 +229,9 @@ class _TileMacros:
                 per_head[n, r, h] = T.if_then_else(
                     h < H, T.if_then_else(per_head[n, r, h] < 0.0, 0.0, per_head[n, r, h]) * w_tile[r * HP + h], 0.0)
             T.reduce_sum(per_head, logits, dim=2)
+            if st.fp8:  # the key's scale times the head sum (a multiply a key and row, not a key and head)
+                for n, r in fl.parallel(BN, rows):
+                    logits[n, r] = logits[n, r] * k_scale[n]
 
         @T.macro
         def store(logits, key_pos, bounds, n_rows, m0, out_m0, n0, width, Out):
