@@ -338,8 +338,8 @@ def attention_default(problem: AttentionProblem) -> dict:
     """A token's heads in one tile (64: two warpgroups on wgmma, 32-key blocks; fewer heads: 16 or 32, four warps,
     64-key blocks) once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens
     (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The
-    performance model, 64 heads, 16- / 64-head tiles: T = 1 5.2 / 10.3 us, T = 8 9.4 / 15.4 us; T = 64 (64-head
-    tiles, 16 / 32 keys a block): 45.3 / 38.8 us; T = 4096: 1527 / 1106 us (64 keys spill: 896 us)."""
+    performance model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 4.4 / 7.2 us, T = 64 (64-head tiles,
+    32 keys a block) 28.6 us; T = 4096, 16 / 32 keys a block: 1527 / 1106 us (64 keys spill: 896 us)."""
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
