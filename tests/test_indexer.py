@@ -17,6 +17,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flashkern.ops
+from flashkern.kernels._tilelang import GPU, build_sm90, nvcc_path
+from flashkern.kernels.indexer import tilelang_logits
 from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
@@ -585,3 +587,24 @@ def test_empty_rows(backend):
         op = OPS[name]
         out = op.entry(**op.make_inputs(problem, DEVICE), backend=backend)
         assert out.shape[0] == 0, name
+
+
+def test_sparse_key_gather_is_16_byte_cp_async_only_where_k_rows_are_aligned():
+    """sparse_mqa_logits' span stage gathers FP8 key rows in 16-byte cp.async pieces where k's rows start on 16-byte
+    boundaries (`sparse_layout`, from metadata only), else a byte at a time: both sm_90a builds, and the layout
+    told from a contiguous k, a k one byte into its storage and a k with a row stride of 136 bytes."""
+    if nvcc_path() is None:
+        pytest.skip("nvcc is needed for the sm_90a build")
+    problem = SparseProblem(2, 64)
+    inputs = OPS["sparse_mqa_logits"].make_inputs(problem, "cpu", seed=0)
+    k = inputs["k"]
+    padded = torch.empty(k.shape[0], 136, dtype=k.dtype)[:, :128]
+    shifted = torch.empty(k.numel() + 1, dtype=torch.uint8)[1:].view(k.dtype).view(k.shape)
+    assert tilelang_logits.sparse_layout(inputs)
+    assert not tilelang_logits.sparse_layout({**inputs, "k": shifted})
+    assert not tilelang_logits.sparse_layout({**inputs, "k": padded})
+    config = tilelang_logits.sparse_default(problem)
+    for aligned in (True, False):
+        select = tilelang_logits.sparse_select_program(problem, config, GPU, aligned)
+        census = build_sm90(select).census
+        assert (census.cp_async > 0) == aligned, (aligned, census)

@@ -575,11 +575,12 @@ def plan_sparse_triton(problem: SparseProblem, inputs: dict, config: dict, out: 
     return select, merge
 
 
-def sparse_program_tilelang(problem: SparseProblem, config: dict, fl):
-    """Each span's best candidates (scored into and selected in shared memory), then the top-k stage merges a row's."""
+def sparse_program_tilelang(problem: SparseProblem, config: dict, fl, aligned: bool):
+    """Each span's best candidates (scored into and selected in shared memory), then the top-k stage merges a row's;
+    `aligned`: tilelang_logits.sparse_layout."""
     merge_config = tilelang_topk.topk_default(_merge_problem(kept_width(problem, config), problem))
     in_place = kept_per_span(problem, config) == span_slots(config)
-    return (tilelang_logits.sparse_select_program(problem, config, fl),
+    return (tilelang_logits.sparse_select_program(problem, config, fl, aligned),
             tilelang_topk.topk_stage_program(merge_config, fl, drop_neg_inf=True,
                                              map_block=problem.block if in_place else 1))
 
@@ -775,7 +776,8 @@ SPARSE_MQA_LOGITS = Operator(
     implementations=(
         Implementation("triton", TritonKernel(plan_sparse_triton), triton_logits.SPARSE_SPACE,
                        triton_logits.sparse_default),
-        Implementation("tilelang", TileLangKernel(sparse_program_tilelang, sparse_args_tilelang),
+        Implementation("tilelang", TileLangKernel(sparse_program_tilelang, sparse_args_tilelang,
+                                                  layout=tilelang_logits.sparse_layout),
                        tilelang_logits.SPARSE_SPACE, tilelang_logits.sparse_default),
     ),
     check=check_sparse,

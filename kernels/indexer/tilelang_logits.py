@@ -144,10 +144,11 @@ class _Storage:
 class _TileMacros:
     """The mode-independent parts of a block that scores `rows` query rows against block_n key slots: buffers,
     the query load (once per block), the key load (gathered through key_row, or copied from a contiguous run of
-    keys), the MMA and relu-weighted head sum, and the masked store."""
+    keys), the MMA and relu-weighted head sum, and the masked store. `aligned` (`sparse_layout`): FP8 key rows
+    start on 16-byte boundaries, so the GPU gathers them in 16-byte cp.async pieces, not a byte at a time."""
 
-    def __init__(self, st: _Storage, rows: int, block_n: int):
-        self.st, self.rows, self.block_n = st, rows, block_n
+    def __init__(self, st: _Storage, rows: int, block_n: int, aligned: bool = False):
+        self.st, self.rows, self.block_n, self.aligned = st, rows, block_n, aligned
         fl = st.fl
         H, HP, CH, DC = st.heads, _head_slots(st.heads), st.chunks, st.chunk
         BN, RH = block_n, rows * _head_slots(st.heads)
@@ -182,8 +183,13 @@ class _TileMacros:
         @T.macro
         def gathered_keys(K, Kscale, key_row, k_tile, k_scale):
             """Slot n's key: row key_row[n] of the key table, element by element."""
-            for c, n, j in fl.parallel(CH, BN, DS):
-                put(k_tile, c * BN + n, j, st.k_at(K, key_row[n], c * DS + j))
+            if fl.on_gpu and st.fp8 and self.aligned:  # 16-byte pieces of each key row, by cp.async
+                T.assume(K.strides[0] % KEY_PIECE == 0)
+                for n, j in T.Parallel(BN, DS, coalesced_width=T.int32(KEY_PIECE), prefer_async=True):
+                    k_tile[n, j] = st.k_at(K, key_row[n], j)
+            else:
+                for c, n, j in fl.parallel(CH, BN, DS):
+                    put(k_tile, c * BN + n, j, st.k_at(K, key_row[n], c * DS + j))
             if st.fp8:
                 for n in fl.parallel(BN):
                     k_scale[n] = st.key_scale(Kscale, key_row[n], 0)
@@ -496,17 +502,28 @@ def paged_args(problem: PagedProblem, inputs: dict, config: dict, fl: Flavour, o
 # ---------------------------------------------------------------- sparse: scored and selected per span
 
 
-def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour):
+KEY_PIECE = 16  # bytes of an aligned key gather: e4m3 values
+
+
+def sparse_layout(inputs: dict) -> bool:
+    """Whether k's rows start on 16-byte boundaries (its data pointer and row stride: metadata only), so that the
+    span stage may gather FP8 keys in 16-byte pieces."""
+    k = inputs["k"]
+    return k.data_ptr() % KEY_PIECE == 0 and k.stride(0) * k.element_size() % KEY_PIECE == 0
+
+
+def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, aligned: bool):
     """Per row m and span s of candidate slots, the span's best KEEP = kept_per_span: scores Kept [M, spans x KEEP]
     (then -inf) and absolute positions KeptPos, in candidate order (a span that keeps all its slots keeps them in
     place, column = slot, and no positions); KeptEnd [M] (zeroed by the caller) rises by an atomic max to the end of
     the row's last span with an eligible candidate (with a candidate block, when the span keeps all).
     Tile plan: a block scores its span's tiles (those holding a candidate block) into shared memory (the gather of
-    candidate keys rules out T.copy), then runs the top-k stage's radix select there."""
+    candidate keys rules out T.copy: FP8 keys come in 16-byte cp.async pieces where `aligned`), then runs the top-k
+    stage's radix select there."""
     BN, BLK, THREADS = config["block_n"], problem.block, config["threads"]
     SPAN, KEEP = span_slots(config), kept_per_span(problem, config)
     st = _Storage(problem.indexer, fl)
-    tile = _TileMacros(st, 1, BN).tile
+    tile = _TileMacros(st, 1, BN, aligned).tile
     select, gather = tilelang_topk.selection_macros(
         fl, THREADS, max(1, SPAN // THREADS), lambda scores, m, n: tilelang_topk.order_key(scores[m, n]),
         tilelang_topk.dropping(True), tilelang_topk.mapping(0))
