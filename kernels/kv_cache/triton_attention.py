@@ -286,10 +286,11 @@ ATTENTION_SPACE = Space(
 def attention_default(problem) -> dict:
     """GPU: a token's heads in one program up to 64 (wgmma's M side: every record is decoded once per token; 128
     heads take two programs; 16 before Triton 3.9, whose builds spill), 32 keys per step in 64-column blocks on 8
-    warps, 2 stages, up to 16 splits within one wave (T = 1, H = 64: 10 splits; T = 64: 2). Interpreter (each tl op
-    costs about the same whatever its size): up to 64 heads and 64 keys per step over whole rows, one split."""
+    warps, 2 stages, up to 32 splits within one wave (T = 1, H = 64: 20 splits, a key block each, model 7.5 -> 6.3
+    us against at most 16; T = 8: 10; T = 64: 2). Interpreter (each tl op costs about the same whatever its size):
+    up to 64 heads and 64 keys per step over whole rows, one split."""
     block_h = min(64, max(16, triton.next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
         return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
-    return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 16, "num_warps": 8,
+    return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 32, "num_warps": 8,
             "num_stages": 2}
