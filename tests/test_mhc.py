@@ -284,3 +284,24 @@ def test_comparison_rejects(corruption):
     op.compare(inputs, good, good)
     with pytest.raises(AssertionError):
         op.compare(inputs, good, bad)
+
+
+@pytest.mark.parametrize("streams", (1, 2, 4, 8))
+def test_gpu_defaults_of_the_pre_block_satisfy_their_spaces(monkeypatch, streams):
+    """The GPU default configs of mhc_pre / mhc_post_pre (which the CPU tests never pick: the interpreter has its
+    own) lie within their tuning spaces' register and shape limits for every stream count and size, and Triton's
+    split count and epilogue follow the tiles of the block_t the limits left."""
+    from flashkern.kernels.mhc import tilelang_mhc, triton_mhc
+    from flashkern.kernels.mhc.problem import epilogue_launch
+
+    monkeypatch.setattr(flashkern, "triton_interpreted", lambda: False)
+    for tokens in (1, 2, 16, 128, 300, 1024, 8192):
+        for hidden in (64, 1000, 4096, 7168):
+            problem = MhcProblem(tokens, hidden, streams=streams)
+            for module in (triton_mhc, tilelang_mhc):
+                config = module.pre_default(problem)
+                assert not module.PRE_SPACE.violations(problem, config, "cuda"), (module.__name__, problem, config)
+            config = triton_mhc.pre_default(problem)
+            tiles = -(-tokens // config["block_t"])
+            assert config["epilogue"] == epilogue_launch(tokens, tiles), (problem, config)
+            assert config["split_k"] == 1 or tiles * config["split_k"] <= 2 * 132, (problem, config)

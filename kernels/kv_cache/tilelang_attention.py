@@ -228,6 +228,10 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
     MS, CH, CD = config["max_splits"], COMBINE_HEADS, COMBINE_COLUMNS
     NT, H, SP = T.dynamic("T"), T.dynamic("heads"), T.dynamic("splits")
 
+    def partial(PartialML, t, s, h, field, none):
+        """Split s's max (field 0) or sum (1) for token t, head h; `none` for splits past SP and heads past H."""
+        return T.if_then_else((s < SP) & (h < H), PartialML[T.min(s, SP - 1), t, T.min(h, H - 1), field], none)
+
     @T.prim_func
     def combine_splits(
         PartialO: T.Tensor((SP, NT, H, LATENT), "float32"),
@@ -245,16 +249,14 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
             weight = fl.shared((CH, MS), "float32")
             acc = fl.fragment((CH, CD), "float32")
             h0, d0 = head_block * CH, column_block * CD
-            for h, s in fl.parallel(CH, MS):  # splits past SP and heads past H: no weight
-                m[h, s] = T.if_then_else((s < SP) & (h0 + h < H),
-                                         PartialML[T.min(s, SP - 1), t, T.min(h0 + h, H - 1), 0], NEG_INF)
+            for h, s in fl.parallel(CH, MS):
+                m[h, s] = partial(PartialML, t, s, h0 + h, 0, NEG_INF)
             T.reduce_max(m, shift, dim=1)
             for h in fl.parallel(CH):
                 shift[h] = _shift(T.max(shift[h], _sink(Sink, T.min(h0 + h, H - 1), has_sink)))
             for h, s in fl.parallel(CH, MS):
                 rescale[h, s] = _rescale(m[h, s], shift[h])
-                m[h, s] = rescale[h, s] * T.if_then_else(
-                    (s < SP) & (h0 + h < H), PartialML[T.min(s, SP - 1), t, T.min(h0 + h, H - 1), 1], 0.0)
+                m[h, s] = rescale[h, s] * partial(PartialML, t, s, h0 + h, 1, 0.0)
             T.reduce_sum(m, total, dim=1)
             for h in fl.parallel(CH):  # the sink joins d (0 without a sink)
                 total[h] = total[h] + T.exp(_sink(Sink, T.min(h0 + h, H - 1), has_sink) - shift[h])

@@ -498,8 +498,8 @@ PRE_SPACE = Space(
 
 
 def pre_default(problem) -> dict:
-    """GPU: token tiles of 16 rows up to 256 tokens (more GEMM CTAs than the splits alone give) on 4 warps, else
-    64 (fn's fp32 columns are split into tf32 parts once a tile) on 8; block_d the widest within the register
+    """GPU: token tiles of 16 rows up to 256 tokens (more GEMM CTAs than the splits alone give) on 4 warps (8 where
+    no block_d fits 4: 8 streams), else 64 (fn's fp32 columns are split into tf32 parts once a tile) on 8; block_d the widest within the register
     limits (up to 64; below 16 in 16-row tiles), 2 stages; split_k so that tiles x splits ~ 2 programs per SM,
     with at least 4 block_d steps per split; the epilogue a token per program, in its own launch from 2 tokens on
     while the tiles number at most an eighth of the SMs (a tile's last split runs it alone on one SM).
@@ -514,19 +514,23 @@ def pre_default(problem) -> dict:
                 "epi_block_t": _interpreted_tokens(problem, np_ * epi_block_d), "epi_block_d": epi_block_d,
                 "epilogue": "last_split"}
     block_t = 16 if problem.tokens <= 256 else 64
-    tiles = triton.cdiv(max(1, problem.tokens), block_t)
     # 16 rows are one MMA tile in M, so the warps split its N side and each redoes the tile's elementwise work
     # (the post mapping, the squares): 4 warps, not 8 (model, 128 tokens: mhc_post_pre 17.4 -> 12.0 us)
-    config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": 4 if block_t == 16 else 8,
-              "num_stages": 2, "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_),
-              "epilogue": epilogue_launch(problem.tokens, tiles)}
-    while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
-        if config["block_d"] > 16 or config["block_t"] == 16:
-            config["block_d"] //= 2
-        else:
-            config["block_t"] //= 2
+    # (8 where 4 leave no block_d within the register limits: 8 streams)
+    for warps in (4, 8) if block_t == 16 else (8,):
+        config = {"block_t": block_t, "block_d": 64, "split_k": 1, "num_warps": warps, "num_stages": 2,
+                  "epi_block_t": 1, "epi_block_d": max(128, 8192 // np_), "epilogue": "last_split"}
+        while config["block_d"] > 4 and PRE_SPACE.violations(problem, config):
+            if config["block_d"] > 16 or config["block_t"] == 16:
+                config["block_d"] //= 2
+            else:
+                config["block_t"] //= 2
+        if not PRE_SPACE.violations(problem, config):
+            break
     if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
         config["block_d"] = min(config["block_d"], 16)
+    tiles = triton.cdiv(max(1, problem.tokens), config["block_t"])  # of the block_t the limits left
+    config["epilogue"] = epilogue_launch(problem.tokens, tiles)
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):
         config["split_k"] *= 2
