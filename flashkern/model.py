@@ -13,7 +13,8 @@ Per implementation, config and shape, for each kernel launch (stage):
   issue    the SASS each warp issues per pipe (kernels/sass: loops from back edges, counted per trip in a build
            with unrolling off), trips per CTA from the loop headers the traffic count ran (Triton: traced in the
            interpreter, per CTA, so the heaviest traced CTA bounds it too; loops without a traced header count
-           one trip per entry), at each pipe's issue rate;
+           one trip per entry), straight code as often as its kernel line ran per CTA (a branch few CTAs take,
+           a last arrival's epilogue, is not charged to all), at each pipe's issue rate;
   time     the longest of: HBM (bytes L2 does not serve, `hbm_bytes`: tensors it holds, tiles co-resident
            CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
            (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
@@ -158,10 +159,11 @@ def issue_of(profile: sass.Profile, traffic: LaunchTraffic) -> Issue:
     often as it runs."""
     headers, sizes = dict(traffic.lines), dict(traffic.sizes)
     trips, known = sass.trips(profile, headers, sizes)
-    executed = profile.executed(trips)
+    executed = profile.executed(trips, headers)
     heaviest = None
     if len(traffic.cta_lines) > 1:  # CTAs that differ (a last arrival's epilogue, ragged work): the heaviest one
-        each = [profile.executed(sass.trips(profile, dict(lines), sizes)[0]) for lines in traffic.cta_lines]
+        each = [profile.executed(sass.trips(profile, dict(lines), sizes)[0], dict(lines), headers)
+                for lines in traffic.cta_lines]
         heaviest = max(each, key=lambda per_warp: sum(per_warp[name] for name in sass.PIPES))
     return Issue(executed, tuple(trips), all(known), 1.0 + executed["global_phase"], heaviest)
 

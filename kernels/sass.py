@@ -82,9 +82,10 @@ class Instruction:
     address: int
     opcode: str
     operands: str
-    line: tuple[str, int] | None  # (file, line) from the line info; None without it
+    line: tuple[str, int] | None  # (file, line) from the line info, the innermost of an inlining; None without it
     target: int | None = None  # a branch's target address
     predicated: bool = False  # runs under a predicate (@P0): a predicated branch may fall through
+    site: tuple[str, int] | None = None  # the outermost line of the inlining: the kernel body's own line
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class Profile:
 
     straight: dict  # pipe (and EVENTS) -> warp instructions executed once per CTA
     loops: tuple[Loop, ...] = ()
+    # the straight-line instructions with line info, by their outermost source line (Instruction.site):
+    # ((file, line), pipe (and EVENTS) -> count)
+    straight_lines: tuple = ()
 
     def weights(self, trips) -> list[float]:
         """Trips of each loop per CTA, times the share of a CTA's warps that run it (its and its parents')."""
@@ -116,12 +120,22 @@ class Profile:
             weights.append(trips[i] * shares[i])
         return weights
 
-    def executed(self, trips) -> dict:
+    def executed(self, trips, line_runs: dict | None = None, traced: dict | None = None) -> dict:
         """pipe (and event) -> warp instructions a warp issues on average, `trips[i]` being the trips of loop i
-        per CTA."""
+        per CTA. With line_runs ((file, line) -> executions per CTA, as the traffic count traced them), straight-line
+        code whose source line ran less than once per CTA counts that often (a branch most CTAs skip: a last
+        arrival's epilogue); a line `traced` saw run but line_runs did not ran 0 times; lines neither saw count
+        once."""
         total = dict.fromkeys((*PIPES, *EVENTS), 0.0)
         for pipe_name, count in self.straight.items():
             total[pipe_name] += count
+        for line, counts in self.straight_lines if line_runs is not None else ():
+            runs = header_executions(line, line_runs)
+            if runs is None and traced is not None and header_executions(line, traced) is not None:
+                runs = 0.0
+            if runs is not None and runs < 1:
+                for pipe_name, count in counts.items():
+                    total[pipe_name] -= count * (1 - runs)
         for loop, weight in zip(self.loops, self.weights(trips)):
             for pipe_name, count in loop.counts.items():
                 total[pipe_name] += count * weight
@@ -131,12 +145,14 @@ class Profile:
     def from_dict(values: dict) -> Profile:
         loops = tuple(Loop(**{**loop, "header": tuple(loop["header"]) if loop["header"] else None})
                       for loop in values["loops"])
-        return Profile(straight=values["straight"], loops=loops)
+        lines = tuple((tuple(line), counts) for line, counts in values.get("straight_lines", ()))
+        return Profile(straight=values["straight"], loops=loops, straight_lines=lines)
 
 
 def parse(text: str, kernel: str | None = None) -> list[Instruction]:
-    """The instructions of one kernel function in `nvdisasm -c -g` output (the first function when `kernel` is
-    None), with each instruction's source line and each branch's target."""
+    """The instructions of one kernel function in `nvdisasm -c -gi` output (the first function when `kernel` is
+    None), with each instruction's source lines (innermost and outermost of its inlining chain: `-gi` lists the
+    chain from the inlined code out to the kernel's own line) and each branch's target."""
     sections = {}
     name = None
     for text_line in text.splitlines():
@@ -149,24 +165,29 @@ def parse(text: str, kernel: str | None = None) -> list[Instruction]:
         return []
     body = sections[kernel] if kernel in sections else next(iter(sections.values()))
     labels: dict[int, int] = {}  # label number -> address of the next instruction
-    raw, pending, line = [], [], None
+    raw, pending, line, site, chain_open = [], [], None, None, False
     for text_line in body:
         if m := _LINE.match(text_line):
-            if not m.group("inlined"):  # "line N inlined at ..." is followed by the inlined code's own line
-                line = (m.group("file"), int(m.group("line")))
+            source = (m.group("file"), int(m.group("line")))
+            if not chain_open:  # the first line of a chain: the innermost
+                line, chain_open = source, True
+            if not m.group("inlined"):  # the chain's last line, "inlined at" nothing: the outermost
+                site = source
         elif m := _LABEL.match(text_line):
             pending.append(int(m.group(1)))
         elif m := _INSTRUCTION.match(text_line):
+            chain_open = False
             address = int(m.group("address"), 16)
             labels.update(dict.fromkeys(pending, address))
             pending = []
-            raw.append((address, m.group("opcode"), m.group("operands").strip(), line, bool(m.group("predicate"))))
+            raw.append((address, m.group("opcode"), m.group("operands").strip(), line, bool(m.group("predicate")),
+                        site))
     instructions = []
-    for address, opcode, operands, source, predicated in raw:
+    for address, opcode, operands, source, predicated, outermost in raw:
         target = None
         if opcode.split(".")[0] in ("BRA", "BRX", "JMP") and (m := _TARGET.search(operands)):
             target = labels.get(int(m.group(1)))
-        instructions.append(Instruction(address, opcode, operands, source, target, predicated))
+        instructions.append(Instruction(address, opcode, operands, source, target, predicated, outermost))
     return instructions
 
 
@@ -281,6 +302,7 @@ def count(instructions: list[Instruction]) -> Profile:
     for h in sorted(headers, key=lambda g: -len(bodies[g])):  # smaller loops overwrite the loops around them
         innermost.update(dict.fromkeys(bodies[h], index[h]))
     pending: dict = {}  # region (loop index, -1 outside loops) -> a blocking global load since its last barrier
+    by_line: dict = {}  # straight-line counts by source line
     for k in sorted(reachable, key=lambda k: blocks[k].start):
         region = innermost.get(k, -1)
         counted = counts[region] if region >= 0 else straight
@@ -289,8 +311,13 @@ def count(instructions: list[Instruction]) -> Profile:
             if ins.opcode == "NOP":
                 continue
             counted[pipe(ins.opcode)] += 1
+            line_counts = by_line.setdefault(ins.site, dict(empty)) if region < 0 and ins.site else None
+            if line_counts is not None:
+                line_counts[pipe(ins.opcode)] += 1
             if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
                 counted[event] += 1
+                if line_counts is not None:
+                    line_counts[event] += 1
             if event == "global_load":
                 outer = region
                 while outer >= 0:  # a loop streaming global memory makes a phase of the body around it too
@@ -299,6 +326,8 @@ def count(instructions: list[Instruction]) -> Profile:
                 pending[-1] = True
             elif event == "barrier" and pending.get(region):
                 counted["global_phase"] += 1
+                if line_counts is not None:
+                    line_counts["global_phase"] += 1
                 pending[region] = False
     reaches = {h: _reachable(successors, h) for h in headers}
     role = {h: h for h in headers}  # union-find: siblings that share a path (one reaches the other) join one role
@@ -321,7 +350,7 @@ def count(instructions: list[Instruction]) -> Profile:
         parent = -1 if parent_of[h] is None else index[parent_of[h]]
         loops.append(Loop(instructions[blocks[h].start].address, branch.address, parent, counts[index[h]],
                           branch.line, share=1.0 / roles[parent_of[h]]))
-    return Profile(straight, tuple(loops))
+    return Profile(straight, tuple(loops), tuple(by_line.items()))
 
 
 def _reachable(successors: list[list[int]], start: int) -> set:
@@ -511,7 +540,7 @@ def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profil
         built = subprocess.run([*command, "-lineinfo", path, "-o", cubin], capture_output=True, text=True)
         if built.returncode != 0:
             raise RuntimeError("assembling the counting build failed:\n" + (built.stderr or built.stdout)[-4000:])
-        listing = subprocess.run([nvdisasm_path(), "-c", "-g", cubin], capture_output=True, text=True)
+        listing = subprocess.run([nvdisasm_path(), "-c", "-gi", cubin], capture_output=True, text=True)
         if listing.returncode != 0:
             raise RuntimeError("nvdisasm failed:\n" + listing.stderr[-4000:])
     kernel = re.search(r"^\s*\.(?:visible\s+)?\.entry\s+(\w+)", ptx, re.M)

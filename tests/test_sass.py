@@ -84,6 +84,43 @@ def test_nested_loops_take_their_trips_per_cta_and_unknown_headers_one_per_entry
     assert sass.trips(profile, {("k.py", 10): 5, ("k.py", 12): 16}) == ([4, 12, 1], [True, True, False])
 
 
+GI_LISTING = """\
+//--------------------- .text.k --------------------------
+\t//## File "/x/k.py", line 10
+        /*0000*/                   IMAD R1, R2, R3, RZ ;
+\t//## File "/x/lib.py", line 5 inlined at "/x/k.py", line 20
+\t//## File "/x/k.py", line 20
+        /*0010*/                   FADD R1, R1, R1 ;
+\t//## File "/x/lib.py", line 6 inlined at "/x/lib.py", line 9
+\t//## File "/x/lib.py", line 9 inlined at "/x/k.py", line 21
+\t//## File "/x/k.py", line 21
+        /*0020*/                   FMUL R1, R1, R1 ;
+        /*0030*/                   EXIT ;
+"""
+
+
+def test_an_inlining_chain_gives_the_innermost_line_and_the_kernels_own():
+    """`nvdisasm -gi` lists an instruction's lines from the inlined code out to the kernel body's own line: the
+    innermost names loop headers (as `-g` would), the outermost says which kernel statement runs it."""
+    ins = sass.parse(GI_LISTING)
+    assert [i.line for i in ins[:3]] == [("/x/k.py", 10), ("/x/lib.py", 5), ("/x/lib.py", 6)]
+    assert [i.site for i in ins[:3]] == [("/x/k.py", 10), ("/x/k.py", 20), ("/x/k.py", 21)]
+
+
+def test_straight_code_in_a_branch_counts_as_often_as_its_line_ran():
+    """A last arrival's epilogue: straight-line code whose kernel line ran for 1 CTA in 8 counts an eighth on
+    average, and not at all for a CTA that skipped it (a line the trace saw elsewhere); lines no trace saw, or that
+    ran every time, count once."""
+    profile = sass.count(sass.parse(GI_LISTING))
+    assert profile.straight["fma"] == 2  # FADD, FMUL
+    runs = {("/x/k.py", 10): 1.0, ("/x/k.py", 20): 1.0, ("/x/k.py", 21): 0.125}
+    assert profile.executed([])["fma"] == 2
+    assert profile.executed([], runs)["fma"] == pytest.approx(1.125)
+    skipped = {("/x/k.py", 10): 1, ("/x/k.py", 20): 1}
+    assert profile.executed([], skipped, traced=runs)["fma"] == pytest.approx(1.0)
+    assert profile.executed([], skipped)["fma"] == pytest.approx(2.0)  # never seen to run: counted
+
+
 def test_a_moved_source_file_is_still_the_same_file():
     """Triton's cache keys a build on its source, so its line info can name a checkout that has since moved: a
     header matches the traced file whose path ends the same way, the longest such tail winning."""
