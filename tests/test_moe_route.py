@@ -22,6 +22,7 @@ from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
 from flashkern.kernels.moe_route.cases import NONFINITE, gate_cases, route_cases
+from flashkern.kernels.moe_route.triton_kernels import gate_splits
 from flashkern.reference import moe_route as ref
 
 MOE_ROUTE = registry.get("moe_route")
@@ -238,6 +239,25 @@ def test_repeated_runs_are_bitwise_identical(backend):
     inputs = MOE_ROUTE.make_inputs(RouteProblem(tokens=300, routing=V3, has_valid=True), DEVICE, seed=1)
     first, second = (MOE_ROUTE.entry(**inputs, backend=backend) for _ in range(2))
     assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))
+def test_split_gate_in_the_gpus_default_config(routing):
+    """The GPU's default at decode splits the Triton gate GEMV over D and expert blocks (fp32 partials; a token tile's
+    last program to finish sums them in split order and routes the tile), where the interpreter's default keeps a
+    program per tile: 1 token with the RMSNorm, 16 (one full tile) without, 33 (three tiles, the last ragged) with,
+    against the oracle, and bitwise the same when run again."""
+    impl = MOE_ROUTE_GATE.implementation("triton")
+    for tokens, norm in ((1, True), (16, False), (33, True)):
+        problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024,
+                               has_norm=norm)
+        inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
+        with flashkern.planning_for_gpu():
+            config = impl.default_config(MOE_ROUTE_GATE.check(dict(inputs)))
+        assert gate_splits(problem, config)[0] > 1, config
+        first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", config)
+        second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=config)
+        assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
 # ---------------------------------------------------------------- the oracle catches wrong answers

@@ -21,6 +21,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.moe_route.problem import slot_layout
+from flashkern.kernels.tiles import SMS
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
@@ -126,6 +127,45 @@ def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T
                 EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
+NORM_BLOCK = tl.constexpr(512)  # columns per step of the sum of squares: 32 values a thread for 16 rows on 8 warps
+
+
+@triton.jit
+def _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T: tl.constexpr):
+    """1 / rms of each token row of h over all D, [BLOCK_T]."""
+    ssq = tl.zeros((BLOCK_T,), tl.float32)
+    for d0 in range(0, D, NORM_BLOCK):
+        d = d0 + tl.arange(0, NORM_BLOCK)[None, :]
+        h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
+        ssq += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(ssq / D + norm_eps)
+
+
+@triton.jit
+def _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, d_lo, d_hi, D,
+                 BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """acc [BLOCK_T, slots] += (the normed h) @ W^T over columns [d_lo, d_hi) of D, BLOCK_D at a time."""
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)[None, :]
+        d_ok = (d < d_hi) & (d < D)
+        h = tl.load(h_rows + d, mask=row_ok[:, None] & d_ok, other=0.0)
+        if norm_ptr is not None:  # RMS-normalized and rounded to bf16, as the reference does
+            g = tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            h = round_to_bf16(h.to(tl.float32) * inv_rms[:, None] * g).to(tl.bfloat16)
+        w = tl.load(gate_ptr + w_expert.to(tl.int64)[:, None] * D + d, mask=w_ok[:, None] & d_ok, other=0.0)
+        if UPCAST_DOT:  # the interpreter cannot multiply bf16; fp32 products of bf16 values are exact
+            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _slot_experts(slot, G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr):
+    """The expert of each flat slot (g * EG_PAD + j) and whether the slot holds one."""
+    return (slot // EG_PAD) * EG + slot % EG_PAD, ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
+
+
 @triton.jit
 def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                           T, D, scale,
@@ -136,33 +176,60 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
     h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
-    NP: tl.constexpr = G_PAD * EG_PAD
-    slot = tl.arange(0, NP)
-    w_expert = (slot // EG_PAD) * EG + slot % EG_PAD
-    w_ok = ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
-    if norm_ptr is not None:  # pass 1: sum of squares for the RMSNorm
-        ssq = tl.zeros((BLOCK_T,), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)[None, :]
-            h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
-            ssq += tl.sum(h * h, axis=1)
-        inv_rms = 1.0 / tl.sqrt(ssq / D + norm_eps)
-    acc = tl.zeros((BLOCK_T, NP), tl.float32)
-    for d0 in range(0, D, BLOCK_D):  # pass 2: logits = h @ W^T
-        d = d0 + tl.arange(0, BLOCK_D)[None, :]
-        h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0)
-        if norm_ptr is not None:
-            g = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            h = round_to_bf16(h.to(tl.float32) * inv_rms[:, None] * g).to(tl.bfloat16)
-        w = tl.load(gate_ptr + w_expert.to(tl.int64)[:, None] * D + d, mask=w_ok[:, None] & (d < D), other=0.0)
-        if UPCAST_DOT:  # the interpreter cannot multiply bf16; fp32 products of bf16 values are exact
-            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w), acc)
+    w_expert, w_ok = _slot_experts(tl.arange(0, G_PAD * EG_PAD), G, EG, EG_PAD)
+    inv_rms = None
+    if norm_ptr is not None:
+        inv_rms = _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T)
+    acc = tl.zeros((BLOCK_T, G_PAD * EG_PAD), tl.float32)
+    acc = _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, 0, D, D, BLOCK_D, UPCAST_DOT)
     slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
-    x = tl.reshape(acc, (BLOCK_T, G_PAD, EG_PAD))
-    _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+    _route_tile(tl.reshape(acc, (BLOCK_T, G_PAD, EG_PAD)), row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr,
+                w_ptr, id_ptr, scale, EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+
+
+@triton.jit
+def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
+                                parts_ptr, tickets_ptr, T, D, split_d, splits, scale,
+                                G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
+                                K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                                GROUP_TOP2: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                                EPI_T: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The decode gate as a split GEMV: program (tile, s, e), e fastest, computes the fp32 partial logits of token
+    tile `tile`, expert slots [e BLOCK_E, +BLOCK_E) over D columns [s split_d, +split_d) into parts[s]; the tile's
+    last program to finish (a ticket) sums the splits in order (deterministic) and routes the tile's tokens, EPI_T
+    at a time."""
+    NP: tl.constexpr = G_PAD * EG_PAD
+    E_TILES: tl.constexpr = NP // BLOCK_E
+    group = splits * E_TILES
+    tile = tl.program_id(0) // group
+    split = tl.program_id(0) % group // E_TILES
+    row = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < T
+    h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
+    slot = tl.program_id(0) % E_TILES * BLOCK_E + tl.arange(0, BLOCK_E)
+    w_expert, w_ok = _slot_experts(slot, G, EG, EG_PAD)
+    inv_rms = None
+    if norm_ptr is not None:
+        inv_rms = _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T)
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    acc = _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, split * split_d,
+                       split * split_d + split_d, D, BLOCK_D, UPCAST_DOT)
+    tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * NP + slot[None, :], acc, mask=row_ok[:, None])
+    # the tile's programs count in: the last to arrive sees every partial (a CTA barrier, one acq_rel atomic)
+    tl.debug_barrier()
+    if tl.atomic_add(tickets_ptr + tile, 1) == group - 1:
+        slot_g, slot_j, slot_ok = _slots(EPI_T, G, G_PAD, EG, EG_PAD)
+        for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_T):  # the tile's tokens, EPI_T at a time
+            epi_row = tile * BLOCK_T + sub + tl.arange(0, EPI_T)
+            epi_ok = epi_row < T
+            logits = tl.zeros((EPI_T, NP), tl.float32)
+            for s in range(splits):
+                logits += tl.load(parts_ptr + (s * T + epi_row.to(tl.int64))[:, None] * NP + tl.arange(0, NP)[None, :],
+                                  mask=epi_ok[:, None], other=0.0)
+            _route_tile(tl.reshape(logits, (EPI_T, G_PAD, EG_PAD)), epi_row, epi_ok, slot_g, slot_j, slot_ok,
+                        bias_ptr, valid_ptr, w_ptr, id_ptr, scale, EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE,
+                        RENORMALIZE)
 
 
 def _routing_constexprs(problem) -> dict:
@@ -190,18 +257,34 @@ def plan_route(problem, inputs, config, out):
                   num_warps=config["num_warps"])
 
 
+def gate_splits(problem, config) -> tuple[int, int]:
+    """(splits of D, columns per split): config["splits"] (1: the one-CTA-per-tile kernel) capped so that every split
+    has at least one BLOCK_D step."""
+    block_d = config["block_d"]
+    splits = max(1, min(config["splits"], -(-problem.hidden // block_d)))
+    split_d = block_d * -(-problem.hidden // (splits * block_d))
+    return -(-problem.hidden // split_d), split_d
+
+
 def plan_route_gate(problem, inputs, config, out):
     hidden = inputs["hidden"]
-    args = _routing_args(problem, inputs, config, out)
-    return Launch(
-        moe_route_gate_kernel,
-        grid=(triton.cdiv(problem.tokens, config["block_t"]),),
-        args=dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
-                  norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), D=problem.hidden,
-                  BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(), **args),
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
+    args = dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
+                norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), D=problem.hidden,
+                BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(),
+                **_routing_args(problem, inputs, config, out))
+    tiles = triton.cdiv(problem.tokens, config["block_t"])
+    splits, split_d = gate_splits(problem, config)
+    if splits == 1:
+        return Launch(moe_route_gate_kernel, grid=(tiles,), args=args, num_warps=config["num_warps"],
+                      num_stages=config["num_stages"])
+    group = splits * slot_layout(problem.routing).slots // config["block_e"]
+    parts = torch.empty((splits, problem.tokens, slot_layout(problem.routing).slots), dtype=torch.float32,
+                        device=hidden.device)
+    tickets = torch.zeros(tiles, dtype=torch.int32, device=hidden.device)
+    return Launch(moe_route_gate_split_kernel, grid=(tiles * group,), cooperating=group,
+                  args=dict(args, parts_ptr=parts, tickets_ptr=tickets, split_d=split_d, splits=splits,
+                            BLOCK_E=config["block_e"], EPI_T=config["epi_t"]),
+                  num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 # Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep
@@ -238,24 +321,49 @@ def route_default(problem) -> dict:
     return {"block_t": block_t, "num_warps": warps}
 
 
+def _split_w_tile_values_per_thread(problem, config) -> int:
+    return config["block_e"] * config["block_d"] // (32 * config["num_warps"])
+
+
 GATE_SPACE = Space(
-    params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
+    params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3),
+            "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128), "epi_t": (1, 4, 16)},
     gpu_only=("num_warps", "num_stages"),
+    constraints={"block_e <= slots": lambda p, c: c["block_e"] <= slot_layout(p.routing).slots,
+                 "epi_t <= block_t": lambda p, c: c["epi_t"] <= c["block_t"]},
     limits={
         "block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32,
-        "slots x block_d / threads <= 64 (registers: the W tile)": lambda p, c: _w_tile_values_per_thread(p, c) <= 64,
+        "slots x block_d / threads <= 64 (registers: the W tile)":
+            lambda p, c: c["splits"] > 1 or _w_tile_values_per_thread(p, c) <= 64,
+        "split: block_e x block_d / threads <= 64 (registers: the W tile)":
+            lambda p, c: c["splits"] == 1 or _split_w_tile_values_per_thread(p, c) <= 64,
         "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)":
             lambda p, c: c["num_stages"] * 2 * c["block_d"] * (slot_layout(p.routing).slots + c["block_t"]) <= 200 * 1024,
     },
 )
 
+SPLIT_GATE_TILES = 4  # token tiles up to which the GPU default splits D (decode): each tile re-reads W
+
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles on 8 warps; block_d keeps the W tile at 64 values per thread; three stages.
+    """16-row MMA tiles on 8 warps, three stages. Up to SPLIT_GATE_TILES token tiles (decode), a split GEMV: 64-slot
+    expert blocks and D split so that about SMS programs stream W once per tile, the last one of a tile routing it;
+    splits a power of 2 (1 to 32); beyond, a program per token tile with all slots, block_d keeping the W tile at 64 values per thread.
 
-    Under the interpreter, where each loop step costs the same whatever its size, block_d is 128.
+    Under the interpreter, where each loop step costs the same whatever its size, block_d is 128 and D is not split
+    (the split's configs are tested directly).
     """
     if flashkern.triton_interpreted():
-        return {"block_t": 16, "block_d": 128, "num_warps": 8, "num_stages": 1}
-    block_d = max(32, min(128, 64 * 256 // slot_layout(problem.routing).slots))
-    return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3}
+        return {"block_t": 16, "block_d": 128, "num_warps": 8, "num_stages": 1, "splits": 1, "block_e": 64,
+                "epi_t": 16}
+    slots = slot_layout(problem.routing).slots
+    tiles = -(-problem.tokens // 16)
+    if tiles <= SPLIT_GATE_TILES:
+        block_e = min(64, slots)
+        splits = min(32, 1 << (-(-SMS // (tiles * (slots // block_e)))).bit_length() - 1)  # a power of 2
+        epi_t = 1 if problem.tokens == 1 else 16  # a lone token routed alone (model: 17.9 -> 6.5 us)
+        return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 3, "splits": splits, "block_e": block_e,
+                "epi_t": epi_t}
+    block_d = max(32, min(128, 64 * 256 // slots))
+    return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3, "splits": 1, "block_e": 64,
+            "epi_t": 16}
