@@ -7,9 +7,12 @@ only (--time-interpreted to time it).
   sparse_mqa_logits: Triton's earlier form (every candidate's score kept, one top-k over the row's 16384) against
       spans that keep their best top_k; TileLang's 8-tile spans against its default (a tile per span);
   mhc_pre, mhc_post_pre: the epilogue run by each token tile's last split (one launch) against the default (its own
-      launch, a program per token, at small batches; the same where the default keeps the last split).
+      launch, a program per token, at small batches; the same where the default keeps the last split);
+  topk_indices, candidate_blocks: one CTA a row (chunks 1) against the default (long rows split over CTAs);
+  moe_route_gate (Triton): a program per token tile with every expert (splits 1) against the default (at decode,
+      a split GEMV whose last program routes).
 
-Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits,mhc_pre,mhc_post_pre]
+Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits,mhc_pre,mhc_post_pre,...]
      [--tokens 1,8,64,4096]
      [--budget 0.2] [--json out.json]
 """
@@ -28,6 +31,14 @@ def _last_split_epilogue(default: dict) -> dict:
     return {**default, "epilogue": "last_split"}
 
 
+def _one_cta_a_row(default: dict) -> dict:
+    return {**default, "chunks": 1}
+
+
+def _one_program_a_tile(default: dict) -> dict:
+    return {**default, "splits": 1}
+
+
 DESIGNS = {  # operator -> backend -> (design name, config or default -> config): timed beside the default
     "sparse_decode_attention": {
         "triton": ("16-head groups", {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8,
@@ -40,6 +51,9 @@ DESIGNS = {  # operator -> backend -> (design name, config or default -> config)
     },
     **{op_name: dict.fromkeys(("triton", "tilelang"), ("epilogue by the last split", _last_split_epilogue))
        for op_name in ("mhc_pre", "mhc_post_pre")},
+    **{op_name: dict.fromkeys(("triton", "tilelang"), ("one CTA a row", _one_cta_a_row))
+       for op_name in ("topk_indices", "candidate_blocks")},
+    "moe_route_gate": {"triton": ("a program per token tile", _one_program_a_tile)},
 }
 
 
@@ -57,6 +71,8 @@ def rows(op_names, tokens, budget: float, device: torch.device, time_interpreted
             inputs = op.make_inputs(problem, device, seed=0)
             expected = op.reference(**inputs)
             for impl in op.implementations:
+                if impl.name not in DESIGNS[op_name]:
+                    continue
                 reason = impl.unavailable(info)
                 default = impl.default_config(problem)
                 design, alternative = DESIGNS[op_name][impl.name]

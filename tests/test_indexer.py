@@ -25,6 +25,7 @@ from flashkern import registry
 from flashkern.kernels.indexer import (CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem,
                                        TopkProblem, check_logits_result, check_topk_result,
                                        similarity_diff)
+from flashkern.kernels.indexer.problem import split_chunk
 from flashkern.kernels.indexer.cases import (candidate_cases, logits_cases, paged_cases, quantized, sparse_cases,
                                              topk_cases)
 from flashkern.reference import indexer as ref
@@ -404,6 +405,58 @@ def test_paged_blocks_in_the_gpus_default_config(backend, block_size, fmt):
 
 
 # ---------------------------------------------------------------- the oracles catch wrong answers
+
+
+def _split_tile(backend: str, config: dict) -> int:
+    """Columns a CTA of the selection walks per step: split chunks are whole tiles."""
+    return config["block_n"] if backend == "triton" else config["threads"] * config["items"]
+
+
+def _selection_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Logits whose selection stresses a split over CTAs: random rows, one of equal values (every position a
+    candidate), NaN every 7th position, -inf but for a few values, and repeats of few values (ties straddling
+    chunks)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=gen)
+    logits[1] = 0.25
+    logits[2, ::7] = math.nan
+    logits[3] = -math.inf
+    logits[3, torch.randint(width, (40,), generator=gen)] = 1.0
+    logits[4] = torch.randint(-3, 3, (width,), generator=gen).float()
+    return logits
+
+
+@pytest.mark.parametrize("by_score", (False, True), ids=("ascending", "sorted"))
+@pytest.mark.parametrize("backend", KERNELS)
+def test_split_selection_in_the_gpus_default_config(backend, by_score):
+    """The GPU's default for 16 rows of 512K positions splits a row over CTAs (first-digit histograms merged per
+    row, the candidates compacted, the top-k stage over them; the CPU default keeps a row in one CTA), on 6 rows
+    of 20000: several chunks, the last ragged; rows from _selection_rows, ends below the width and below k,
+    starts past a chunk; fp32 and bf16, against the reference exactly."""
+    op = OPS["topk_indices"]
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(TopkProblem(16, 524288, 512))
+    assert split_chunk(6, 20000, config["chunks"], _split_tile(backend, config)) not in (0, 20000), config
+    logits = _selection_rows(6, 20000, seed=3)
+    ends = torch.tensor([20000, 19999, 15000, 20000, 20000, 300], dtype=torch.int32)
+    starts = torch.tensor([0, 9000, 1, 0, 4100, 0], dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = on_device(dict(logits=logits.to(dtype), ends=ends, starts=starts, k=512, sorted=by_score))
+        run_and_check(op, inputs, backend, config)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_split_candidate_blocks_in_the_gpus_default_config(backend):
+    """The GPU's default for 16 rows of 512K positions: block-score tiles are the chunks of the split selection over
+    the scores and publish its first pass; on 5 rows of 20000 positions (2500 block scores: several tiles) with
+    _selection_rows and row ends from empty to the full row, against the reference exactly."""
+    op = OPS["candidate_blocks"]
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(CandidateProblem(16, 524288))
+    assert config["chunks"] > 1, config
+    row_end = torch.tensor([20000, 17777, 0, 20000, 5000], dtype=torch.int32)
+    inputs = on_device(dict(logits=_selection_rows(5, 20000, seed=4), row_end=row_end, n_blocks=300, block=8))
+    run_and_check(op, inputs, backend, config)
 
 
 @pytest.mark.parametrize("corruption", ["unmask", "mask", "one_entry", "nan"])

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from flashkern.kernels.tiles import SMS
 from flashkern.registry import SizedProblem
 
 
@@ -77,6 +78,17 @@ class TopkProblem(SizedProblem):
     by_score: bool = False
     bf16_logits: bool = False
     SIZES: ClassVar = ("rows", "positions")
+
+
+SPLIT_CTAS = 132  # CTAs a split selection's passes aim for
+
+
+def split_chunk(rows: int, width: int, max_chunks: int, tile: int) -> int:
+    """Columns per CTA of a split selection of [rows, width] (both DSLs): up to max_chunks CTAs per row, about
+    SPLIT_CTAS in all, each a whole number of `tile`-column tiles; 0 when each row stays in one CTA (the one-launch
+    top-k stage)."""
+    chunks = min(max_chunks, -(-width // tile), max(1, -(-SPLIT_CTAS // max(rows, 1))))
+    return 0 if chunks <= 1 else tile * -(-width // (chunks * tile))
 
 
 @dataclass(frozen=True)

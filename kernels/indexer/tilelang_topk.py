@@ -21,22 +21,36 @@ positions from its start to its end.
      `items` consecutive positions (packed in one int32: above + 65536 x equal), an inclusive
      scan over the threads gives every thread its output offset (T.cumsum on GPU, a serial
      loop on CPU), and each thread writes its taken positions in ascending order.
+Split over CTAs (config["chunks"] > 1 and chunk = problem.split_chunk(M, W, chunks, threads x items) > 0,
+a whole number of tiles; C = ceil(W / chunk) chunks a row), digit(key) = (key ^ SIGN_BIT) >> 24 & 255:
+  pass 1, grid M x C (chunk_histogram_program): CTA (m, c) histograms digit() of the eligible keys of columns
+     [max(start, c chunk), min(end, (c + 1) chunk)) in per-warp shared sub-histograms, adds its nonzero bins
+     to total[m, 256] (global atomics) and stores suffix[m, c, b] = its keys with digit >= b;
+  pass 2, grid M x C (compact_program): rank = min(k, sum total[m]), d = the bin of the rank-th largest key
+     (255 when rank = 0); CTA (m, c) writes its chunk's eligible positions with digit >= d, ascending (the
+     gather above with thr = lowest key of bin d), to positions[m, sum_{c' < c} suffix[m, c', d] ..];
+     counts[m] = sum_c' suffix[m, c', d] >= rank (CTA c = 0);
+  pass 3, a CTA per row: the top-k stage over positions[m, 0 .. counts[m]) (value at n: values[m, positions[m, n]],
+     emitted index positions[m, n]): ascending candidates keep the position order of ties.
 Variants: starts (the row is [start, end) instead of [0, end); any int32 starts and ends are clamped to
 [0, W]), drop_neg_inf (keys of -inf and NaN are not eligible) and an index map for the sparse path
 (emitted c -> blocks[m, c // B] * B + c % B). Values may be fp32 or bf16 (decoded exactly to fp32) and
 row-strided.
 sorted=True adds a launch that puts the chosen positions in rank order (rank_order_program).
 candidate_blocks is two launches: block scores [M, ceil(N / block)] (a thread per block; a zero
-maximum stored as +0.0), then the top-k stage over them with drop_neg_inf.
+maximum stored as +0.0), then the top-k stage over them with drop_neg_inf. Split (chunks > 1 and at least two
+score tiles a row), the score tiles of score_threads blocks are the chunks: the block-score kernel publishes
+pass 1 for the scores it writes (eligible: > -inf), then passes 2 and 3 over the scores with drop_neg_inf.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
 import tilelang.language as T
 import torch
 
+import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem
+from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem, split_chunk
 
 RADIX_BITS = 8
 BINS = 1 << RADIX_BITS
@@ -45,12 +59,18 @@ SIGN_BIT = -(2**31)  # int32 with only the sign bit set: the key of NaN, the low
 INF_BITS = 0x7F800000  # bits of +inf; larger magnitudes are NaN
 NEG_INF_KEY = -(2**31) + 0x7FFFFF  # key of -inf: bits 0xFF800000 with the low 31 flipped
 EQUAL_UNIT = 1 << 16  # packed tile counts: above + EQUAL_UNIT x equal, each below 2^15
+WARP = 32  # threads a pass-1 sub-histogram counts for
 
 
 def order_key(value):
     """int32 key of a fp32 value: signed order = rank order, NaN lowest (told by its bits: `x == x` folds to true)."""
     bits = T.reinterpret(value, "int32")
     return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
+
+
+def first_digit(key):
+    """The split selection's radix digit: the top 8 bits of a key's unsigned-order form."""
+    return ((key ^ SIGN_BIT) >> (32 - RADIX_BITS)) & (BINS - 1)
 
 
 def _inclusive_scan(fl: Flavour, size: int, reverse: bool):
@@ -92,8 +112,10 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
 
       select(Src, m, start, end, k, state): the radix select; state, an int32 [3] local buffer, receives
           (thr, budget, valid): take the keys > thr and the first `budget` keys == thr, valid = min(#eligible, k);
-      gather(Src, m, start, end, k, state, Blocks, Dst, d): writes Dst[d, 0 .. k) = the taken positions (mapped)
-          in ascending order, then -1.
+      gather(Src, m, start, end, k, state, Blocks, Dst, d, base=0): writes Dst[d, base .. base + k) = the taken
+          positions (mapped) in ascending order, then -1 (the split's compaction: k = 0, no padding).
+
+    Src and Blocks are whatever key_at and mapped take: a tensor, or a tuple of them (the split's candidates).
     """
     tile = threads * items
     prefix_sums = _inclusive_scan(fl, threads, reverse=False)
@@ -154,7 +176,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
         state[2] = valid
 
     @T.macro
-    def gather(Src, m, start, end, k, state, Blocks, Dst, d):
+    def gather(Src, m, start, end, k, state, Blocks, Dst, d, base=0):
         counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
         mine = fl.fragment((threads,), "int32")  # a thread's packed count
         above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
@@ -164,7 +186,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
         for c0 in T.serial(T.ceildiv(k, threads)):
             for th in fl.parallel(threads):
                 if (c0 * threads + th < k) & (c0 * threads + th >= state[2]):
-                    Dst[d, c0 * threads + th] = -1
+                    Dst[d, base + c0 * threads + th] = -1
         above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
         equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
         for t in T.serial(tiles):
@@ -182,7 +204,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
                     counts[th] = mine[th]
                 prefix_sums(counts)
                 for th in fl.parallel(threads):
-                    above_at[th] = above + (counts[th] - mine[th]) % EQUAL_UNIT
+                    above_at[th] = base + above + (counts[th] - mine[th]) % EQUAL_UNIT
                     equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
                     for j in T.serial(items):
                         n = start + t * tile + th * items + j
@@ -202,24 +224,36 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
 
 
 def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, drop_neg_inf: bool = False,
-                       map_block: int = 0, bf16: bool = False):
+                       map_block: int = 0, bf16: bool = False, positions: bool = False):
     """Top-k of values [M, W] (fp32, or bf16 with bf16) over [starts, ends) per row -> out int32 [M, k] (see the
     module docstring). Values and the block map may be row-strided.
+
+    positions: the split's pass 3, over a candidate list Positions int32 [M, W] instead (no starts; Ends = the
+    rows' candidate counts): entry n of row m stands for value Values[m, Positions[m, n]] and emits Positions[m, n]
+    (then the block map, if any).
 
     k is dynamic like the sizes: one compiled kernel serves every k (k = 512 and 2048 alike).
     """
     rows, width, mapped_blocks, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("NB"), T.dynamic("K")
     dtype, value = _values(fl, bf16)
-    select, gather = selection_macros(fl, config["threads"], config["items"],
-                                      lambda values, m, n: order_key(value(values[m, n])), dropping(drop_neg_inf),
-                                      mapping(map_block))
+    eligible, mapped = dropping(drop_neg_inf), mapping(map_block)
+    if positions:  # Src = (Values, Positions), Blocks = (Positions, Blocks)
+        select, gather = selection_macros(
+            fl, config["threads"], config["items"], lambda src, m, n: order_key(value(src[0][m, src[1][m, n]])),
+            eligible, lambda chosen, m, n: mapped(chosen[1], m, chosen[0][m, n]))
+    else:
+        select, gather = selection_macros(fl, config["threads"], config["items"],
+                                          lambda values, m, n: order_key(value(values[m, n])), eligible, mapped)
+    blocks_type = row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32")
+    if positions:
+        return _candidates_program(config, select, gather, dtype, blocks_type)
 
     @T.prim_func
     def topk_stage(
         Values: row_strided((rows, width), dtype, "values"),
         Ends: T.Tensor((rows,), "int32"),
         Starts: T.Tensor((rows if has_starts else 1,), "int32"),
-        Blocks: row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32"),
+        Blocks: blocks_type,
         Out: T.Tensor((rows, k), "int32"),
     ):
         with T.Kernel(rows, threads=config["threads"]) as m:
@@ -231,6 +265,27 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
             gather(Values, m, start, end, k, state, Blocks, Out, m)  # 2. gather in ascending tiles
 
     return topk_stage
+
+
+def _candidates_program(config: dict, select, gather, dtype: str, blocks_type):
+    """topk_stage_program's kernel over a split's candidate list (positions=True), from its selection macros."""
+    rows, width, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("K")
+
+    @T.prim_func
+    def topk_candidates(
+        Values: row_strided((rows, width), dtype, "values"),
+        Positions: T.Tensor((rows, width), "int32"),
+        Counts: T.Tensor((rows,), "int32"),
+        Blocks: blocks_type,
+        Out: T.Tensor((rows, k), "int32"),
+    ):
+        with T.Kernel(rows, threads=config["threads"]) as m:
+            state = T.alloc_local((3,), "int32")  # thr, budget, valid
+            end = T.alloc_var("int32", T.max(T.min(Counts[m], width), 0))  # counts[m] <= W: clamped all the same
+            select((Values, Positions), m, 0, end, k, state)
+            gather((Values, Positions), m, 0, end, k, state, (Positions, Blocks), Out, m)
+
+    return topk_candidates
 
 
 def topk_stage_args(values, ends, out, fl: Flavour, *, starts=None, blocks=None):
@@ -252,6 +307,173 @@ def topk_stage_args(values, ends, out, fl: Flavour, *, starts=None, blocks=None)
 
 def _values_arg(values, fl: Flavour):
     return fl.bf16_arg(values) if values.dtype == torch.bfloat16 else values
+
+
+# ---------------------------------------------------------------- the split selection (passes 1 and 2)
+
+
+def _publisher(fl: Flavour, threads: int):
+    """publish(Hist, Total, Suffix, m, c): a chunk's first-digit counts, Hist int32 [warps, BINS] per-warp
+    sub-histograms of a CTA of `threads`, summed per bin; the nonzero bins added to Total[m, :] (global atomics), the
+    suffix sums (keys in the bins >= b) stored to Suffix[m, c, :].
+
+    The bins are summed in a loop over max(BINS, threads) with b < BINS guarded: over BINS alone, a CTA of more
+    threads would replicate the loop's iterations over its threads, each adding the bin to Total again."""
+    warps, span = max(1, threads // WARP), max(BINS, threads)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+
+    @T.macro
+    def publish(Hist, Total, Suffix, m, c):
+        binned = fl.shared((BINS + 1,), "int32")  # the chunk's counts (the last stays 0), then their suffix sums
+        counts = fl.fragment((span,), "int32")  # a bin's count over the warps
+        for b in fl.parallel(BINS + 1):
+            binned[b] = 0
+        for b in fl.parallel(span):
+            if b < BINS:
+                counts[b] = 0
+                for w in T.serial(warps):
+                    counts[b] = counts[b] + Hist[w, b]
+                binned[b] = counts[b]
+                if counts[b] > 0:
+                    T.atomic_add(Total[m, b], counts[b])
+        suffix_sums(binned)
+        for b in fl.parallel(BINS):
+            Suffix[m, c, b] = binned[b]
+
+    return publish
+
+
+def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = False, bf16: bool = False):
+    """Split selection, pass 1 (grid M x C): CTA (m, c) counts first_digit() of the keys of columns
+    [max(start, c chunk), min(end, (c + 1) chunk)) of row m and publishes them (_publisher) to Total [M, 256]
+    (zeroed by the caller) and Suffix [M, C, 256].
+
+    Counting: one shared sub-histogram per warp (thread th counts into warp th // 32's; on GPU the threads of
+    T.Parallel(threads) are the CTA's, so contention on a bin is a warp's at most, not the CTA's: a row of equal
+    keys hits one bin), the sub-histograms summed per bin before publishing; a thread reads `items` positions
+    `threads` apart (coalesced)."""
+    threads, items = config["threads"], config["items"]
+    tile, warps = threads * items, max(1, threads // WARP)
+    rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
+    dtype, value = _values(fl, bf16)
+    publish = _publisher(fl, threads)
+
+    @T.prim_func
+    def chunk_histogram(
+        Values: row_strided((rows, width), dtype, "values"),
+        Ends: T.Tensor((rows,), "int32"),
+        Starts: T.Tensor((rows if has_starts else 1,), "int32"),
+        Total: T.Tensor((rows, BINS), "int32"),
+        Suffix: T.Tensor((rows, chunks, BINS), "int32"),
+        chunk: T.int32,
+    ):
+        with T.Kernel(rows, chunks, threads=threads) as (m, c):  # rows may pass 65535: x
+            hist = fl.shared((warps, BINS), "int32")
+            start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
+            end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
+            lo = T.alloc_var("int32", T.max(start, c * chunk))
+            hi = T.alloc_var("int32", T.max(T.min(end, c * chunk + chunk), lo))
+            for w, b in fl.parallel(warps, BINS):
+                hist[w, b] = 0
+            for t in T.serial(T.ceildiv(hi - lo, tile)):
+                for th in fl.parallel(threads):
+                    for j in T.serial(items):
+                        n = lo + t * tile + j * threads + th
+                        if n < hi:
+                            T.atomic_add(hist[th // WARP, first_digit(order_key(value(Values[m, n])))], 1)
+            publish(hist, Total, Suffix, m, c)
+
+    return chunk_histogram
+
+
+def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool = False, drop_neg_inf: bool = False,
+                    bf16: bool = False):
+    """Split selection, pass 2 (grid M x C, `threads` threads in tiles of threads x items): from Total[m], the first
+    digit d of the rank-th largest eligible key, rank = min(k, sum Total[m]); CTA (m, c) writes its chunk's eligible
+    positions whose first digit is >= d, ascending, to Positions[m, offset ..], offset = sum_{c' < c}
+    Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W)."""
+    rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
+    dtype, value = _values(fl, bf16)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
+    _, gather = selection_macros(fl, threads, items, lambda values, m, n: order_key(value(values[m, n])),
+                                 dropping(drop_neg_inf), mapping(0))
+
+    @T.prim_func
+    def compact(
+        Values: row_strided((rows, width), dtype, "values"),
+        Ends: T.Tensor((rows,), "int32"),
+        Starts: T.Tensor((rows if has_starts else 1,), "int32"),
+        Total: T.Tensor((rows, BINS), "int32"),
+        Suffix: T.Tensor((rows, chunks, BINS), "int32"),
+        Positions: T.Tensor((rows, width), "int32"),
+        Counts: T.Tensor((rows,), "int32"),
+        chunk: T.int32,
+        k: T.int32,
+    ):
+        with T.Kernel(rows, chunks, threads=threads) as (m, c):  # rows may pass 65535: x
+            hist = fl.shared((BINS + 1,), "int32")  # the row's counts (the last 0), then keys in the bins >= each
+            chosen = fl.shared((1,), "int32")
+            per_chunk = fl.shared((threads,), "int32")  # candidates of chunks c0 threads .., then their prefix sums
+            state = T.alloc_local((3,), "int32")  # the gather's thr, budget, valid
+            for b in fl.parallel(BINS + 1):
+                hist[b] = T.if_then_else(b < BINS, Total[m, T.min(b, BINS - 1)], 0)
+            suffix_sums(hist)
+            rank = T.alloc_var("int32", T.min(T.max(k, 0), hist[0]))
+            for b in fl.parallel(BINS):  # exactly one bin: the rank-th largest key's, the top one when rank = 0
+                if (hist[b] >= rank) & ((hist[b + 1] < rank) | (b == BINS - 1)):
+                    chosen[0] = b
+            digit = T.alloc_var("int32", chosen[0])
+            offset = T.alloc_var("int32", 0)  # candidates in the chunks before c
+            kept = T.alloc_var("int32", 0)  # candidates in the row
+            for c0 in T.serial(T.ceildiv(chunks, threads)):  # the chunks' candidates, `threads` chunks at a time
+                for th in fl.parallel(threads):
+                    per_chunk[th] = T.if_then_else(c0 * threads + th < chunks,
+                                                   Suffix[m, T.min(c0 * threads + th, chunks - 1), digit], 0)
+                prefix_sums(per_chunk)
+                before = T.alloc_var("int32", T.min(c - c0 * threads, threads))  # chunks before c among these
+                if before > 0:
+                    offset = offset + per_chunk[before - 1]
+                kept = kept + per_chunk[threads - 1]
+            if c == 0:
+                Counts[m] = kept
+            start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
+            end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
+            lo = T.alloc_var("int32", T.max(start, c * chunk))
+            hi = T.alloc_var("int32", T.max(T.min(end, c * chunk + chunk), lo))
+            # take the keys >= the lowest key of bin d: > it - 1, or for d = 0 (whose lowest key, NaN's, has no key
+            # below it) > NaN's key and all keys equal to it
+            state[0] = T.if_then_else(digit == 0, SIGN_BIT, ((T.max(digit, 1) << 24) ^ SIGN_BIT) - 1)
+            state[1] = T.if_then_else(digit == 0, Suffix[m, c, digit], 0)
+            state[2] = Suffix[m, c, digit]
+            gather(Values, m, lo, hi, 0, state, Positions, Positions, m, offset)
+
+    return compact
+
+
+def split_buffers(rows: int, chunks: int, width: int, device) -> dict:
+    """A split selection's scratch: the rows' first-digit histograms (zeroed: chunks add into them), each chunk's
+    suffix sums, the candidate positions and their counts."""
+    return dict(total=torch.zeros((rows, BINS), dtype=torch.int32, device=device),
+                suffix=torch.empty((rows, chunks, BINS), dtype=torch.int32, device=device),
+                positions=torch.empty((rows, width), dtype=torch.int32, device=device),
+                counts=torch.empty((rows,), dtype=torch.int32, device=device))
+
+
+def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, ends=None, starts=None) -> tuple:
+    """(pass 2's, pass 3's) arguments of a split selection of values [M, W] into out [M, k], after pass 1 filled
+    buffers' histograms over chunks of `chunk` columns (ends None: every row ends at W)."""
+    rows, width = values.shape
+    device = values.device
+    if ends is None:
+        ends = torch.full((rows,), width, dtype=torch.int32, device=device)
+    if starts is None:
+        starts = torch.zeros(1, dtype=torch.int32, device=device)
+    compact = [_values_arg(values, fl), ends, starts, buffers["total"], buffers["suffix"], buffers["positions"],
+               buffers["counts"], chunk, out.shape[1]]
+    select = [_values_arg(values, fl), buffers["positions"], buffers["counts"],
+              torch.zeros((1, 1), dtype=torch.int32, device=device), out]
+    return compact, select
 
 
 RANK_CHUNK = 1024  # chosen keys staged in shared memory at a time (4 KiB)
@@ -306,31 +528,64 @@ def rank_order_program(config: dict, fl: Flavour, *, bf16: bool = False):
 # ---------------------------------------------------------------- topk_indices
 
 
+def _split(config: dict) -> bool:
+    """Whether a config's programs hold the split selection (whether a call splits is split_chunk's: its sizes)."""
+    return config.get("chunks", 1) > 1
+
+
 def topk_program(problem: TopkProblem, config: dict, fl: Flavour):
-    """The top-k stage; with sorted=True, then the rank-order stage."""
-    select = topk_stage_program(config, fl, has_starts=problem.has_starts, bf16=problem.bf16_logits)
-    return (select, rank_order_program(config, fl, bf16=problem.bf16_logits)) if problem.by_score else select
+    """The top-k stage; with sorted=True, then the rank-order stage. With chunks > 1 the stages are (the one-CTA
+    top-k stage, pass 1, pass 2, pass 3[, rank order]): a call runs the first or the next three (split_chunk)."""
+    bf16 = problem.bf16_logits
+    select = topk_stage_program(config, fl, has_starts=problem.has_starts, bf16=bf16)
+    if _split(config):
+        select = (select, chunk_histogram_program(config, fl, has_starts=problem.has_starts, bf16=bf16),
+                  compact_program(config["threads"], config["items"], fl, has_starts=problem.has_starts, bf16=bf16),
+                  topk_stage_program(config, fl, bf16=bf16, positions=True))
+    else:
+        select = (select,)
+    return (*select, rank_order_program(config, fl, bf16=bf16)) if problem.by_score else select
+
+
+def _select_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour, out) -> tuple | None:
+    """The selection stages' arguments (topk_program's stages but the rank order), None: nothing to launch."""
+    logits = inputs["logits"]
+    one_cta = topk_stage_args(logits, inputs["ends"], out, fl, starts=inputs["starts"])
+    if not _split(config) or one_cta is None:
+        return None if one_cta is None else (one_cta,)
+    rows, width = logits.shape
+    chunk = split_chunk(rows, width, config["chunks"], config["threads"] * config["items"])
+    if not chunk:
+        return one_cta, None, None, None
+    chunks = -(-width // chunk)
+    buffers = split_buffers(rows, chunks, width, logits.device)
+    ends, starts = one_cta[1], one_cta[2]  # as the one-CTA stage takes them (starts: a dummy without)
+    histogram = [_values_arg(logits, fl), ends, starts, buffers["total"], buffers["suffix"], chunk]
+    return (None, histogram, *split_select_args(logits, out, chunk, buffers, fl, ends=ends, starts=starts))
 
 
 def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour, out):
-    logits = inputs["logits"]
     if not problem.by_score:
-        return topk_stage_args(logits, inputs["ends"], out, fl, starts=inputs["starts"])
+        select = _select_args(problem, inputs, config, fl, out)
+        return None if select is None else select[0] if len(select) == 1 else select
     chosen = torch.empty_like(out)  # ascending, between the stages
-    select_args = topk_stage_args(logits, inputs["ends"], chosen, fl, starts=inputs["starts"])
-    if select_args is None:  # nothing chosen: the rank order is all -1 too
+    select = _select_args(problem, inputs, config, fl, chosen)
+    if select is None:  # nothing chosen: the rank order is all -1 too
         out.fill_(-1)
         return None
-    return select_args, [_values_arg(logits, fl), chosen, out]
+    return (*select, [_values_arg(inputs["logits"], fl), chosen, out])
 
 
 # GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a), threads x items: 128x32 40
 # registers, 256x4 32, 512x8 48, 512x32 48, 1024x2 39, 1024x8 40, 1024x16 40 (with starts, drop_neg_inf
 # and the index map or without), never a spill, so 1024 threads fit (<= 64 registers each); the
 # block-score stage uses 24. Shared memory: the 1 KiB histogram, aliased with the 4 B x threads tile
-# counts (at most 4 KiB). Nothing in the space spills or overflows shared memory: no GPU limits needed.
+# counts (at most 4 KiB). The split's kernels at 1024x8 (512x8): pass 1 30 (31) registers and a 1 KiB
+# sub-histogram per warp (33 KiB in all at 1024 threads), pass 2 32 (44), pass 3 38 (47); block scores
+# publishing pass 1 32 registers, 5 KiB; never a spill. Nothing in the space spills or overflows shared
+# memory: no GPU limits needed.
 TOPK_SPACE = Space(
-    params={"threads": (128, 256, 512, 1024), "items": (2, 4, 8, 16, 32)},
+    params={"threads": (128, 256, 512, 1024), "items": (2, 4, 8, 16, 32), "chunks": (1, 4, 16, 64)},
     constraints={
         "threads x items < 32768 (a tile's counts are packed in 16-bit halves)":
             lambda p, c: c["threads"] * c["items"] < 1 << 15,
@@ -339,25 +594,57 @@ TOPK_SPACE = Space(
 )
 
 
+def _chunks_default() -> int:
+    """A row split over up to 64 CTAs on GPU (split_chunk: about 2 CTAs per SM in all); in one CTA where the process
+    plans for the CPU (flashkern.triton_interpreted(): no GPU here and not flashkern.planning_for_gpu(); the C
+    target runs CTAs one after another, so a split only adds passes; the split's configs are tested directly)."""
+    return 1 if flashkern.triton_interpreted() else 64
+
+
 def topk_default(problem: TopkProblem) -> dict:
-    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K."""
+    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K; on GPU the
+    row split over up to 64 CTAs (_chunks_default)."""
+    chunks = {"chunks": _chunks_default()}
     if problem.positions >= 1 << 16:
-        return {"threads": 1024, "items": 8}
+        return {"threads": 1024, "items": 8, **chunks}
     if problem.positions >= 1 << 13:
-        return {"threads": 512, "items": 8}
-    return {"threads": 256, "items": 4}
+        return {"threads": 512, "items": 8, **chunks}
+    return {"threads": 256, "items": 4, **chunks}
 
 
 # ---------------------------------------------------------------- candidate_blocks
 
 
-def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = False):
+def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = False, publish: bool = False):
     """Block scores [M, NB] of logits [M, N] (fp32, or bf16 with bf16; row-strided) below end = clamp(row_end, 0, N)
-    (NaN as -inf, the block holding end - 1 +inf), a thread each."""
+    (NaN as -inf, the block holding end - 1 +inf), a thread each.
+
+    publish: each CTA's score_threads blocks are also a chunk of the split selection over the scores: it publishes
+    pass 1 for the scores it writes (eligible: > -inf; per-warp sub-histograms, _publisher) to Total [M, 256]
+    (zeroed by the caller) and Suffix [M, ceil(NB / score_threads), 256], so the logits are read once."""
     per_block = config["score_threads"]
-    rows, width, n_blocks = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB")
+    warps = max(1, per_block // WARP)
+    rows, width, n_blocks, chunks = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB"), T.dynamic("C")
     inf = T.infinity("float32")
     dtype, value = _values(fl, bf16)
+    publisher = _publisher(fl, per_block)
+    eligible = dropping(True)
+
+    @T.macro
+    def score(Logits, RowEnd, Scores, m, bx, best):
+        """best[b] <- the score of block bx * per_block + b, stored to Scores where the block exists."""
+        end = T.alloc_var("int32", T.max(T.min(RowEnd[m], width), 0))  # any int32 row_end: clamped to [0, N]
+        for b in fl.parallel(per_block):
+            best[b] = -inf
+            for j in T.serial(block):
+                n = (bx * per_block + b) * block + j
+                if n < end:  # the comparison is false for NaN: it counts as -inf
+                    best[b] = T.if_then_else(value(Logits[m, n]) > best[b], value(Logits[m, n]), best[b])
+            newest = (end > 0) & (bx * per_block + b == (end - 1) // block)
+            # a zero maximum is stored as +0.0 (-0.0 ranks below it; which zero a max keeps is arbitrary)
+            best[b] = T.if_then_else(newest, inf, T.if_then_else(best[b] == 0.0, 0.0, best[b]))
+            if bx * per_block + b < n_blocks:
+                Scores[m, bx * per_block + b] = best[b]
 
     @T.prim_func
     def block_max(
@@ -367,26 +654,42 @@ def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = Fal
     ):
         with T.Kernel(rows, T.ceildiv(n_blocks, per_block), threads=per_block) as (m, bx):  # rows may pass 65535: x
             best = fl.fragment((per_block,), "float32")
-            end = T.alloc_var("int32", T.max(T.min(RowEnd[m], width), 0))  # any int32 row_end: clamped to [0, N]
-            for b in fl.parallel(per_block):
-                best[b] = -inf
-                for j in T.serial(block):
-                    n = (bx * per_block + b) * block + j
-                    if n < end:  # the comparison is false for NaN: it counts as -inf
-                        best[b] = T.if_then_else(value(Logits[m, n]) > best[b], value(Logits[m, n]), best[b])
-                if bx * per_block + b < n_blocks:
-                    newest = (end > 0) & (bx * per_block + b == (end - 1) // block)
-                    # a zero maximum is stored as +0.0 (-0.0 ranks below it; which zero a max keeps is arbitrary)
-                    zero_as_positive = T.if_then_else(best[b] == 0.0, 0.0, best[b])
-                    Scores[m, bx * per_block + b] = T.if_then_else(newest, inf, zero_as_positive)
+            score(Logits, RowEnd, Scores, m, bx, best)
 
-    return block_max
+    @T.prim_func
+    def block_max_published(
+        Logits: row_strided((rows, width), dtype, "logits"),
+        RowEnd: T.Tensor((rows,), "int32"),
+        Scores: T.Tensor((rows, n_blocks), "float32"),
+        Total: T.Tensor((rows, BINS), "int32"),
+        Suffix: T.Tensor((rows, chunks, BINS), "int32"),
+    ):
+        with T.Kernel(rows, T.ceildiv(n_blocks, per_block), threads=per_block) as (m, bx):  # rows may pass 65535: x
+            best = fl.fragment((per_block,), "float32")
+            hist = fl.shared((warps, BINS), "int32")
+            for w, b in fl.parallel(warps, BINS):
+                hist[w, b] = 0
+            score(Logits, RowEnd, Scores, m, bx, best)
+            for b in fl.parallel(per_block):
+                if eligible(order_key(best[b]), bx * per_block + b < n_blocks):
+                    T.atomic_add(hist[b // WARP, first_digit(order_key(best[b]))], 1)
+            publisher(hist, Total, Suffix, m, bx)
+
+    return block_max_published if publish else block_max
 
 
 def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
-    """(block scores, top-k of them with -inf blocks dropped)."""
-    return (block_max_program(problem.block, config, fl, bf16=problem.bf16_logits),
-            topk_stage_program(config, fl, drop_neg_inf=True))
+    """(block scores, top-k of them with -inf blocks dropped); with chunks > 1, (block scores, block scores
+    publishing pass 1, pass 2, pass 3, the one-CTA top-k stage): a call runs the first and last, or the middle three
+    (at least two score tiles a row)."""
+    block_max = block_max_program(problem.block, config, fl, bf16=problem.bf16_logits)
+    select = topk_stage_program(config, fl, drop_neg_inf=True)
+    if not _split(config):
+        return block_max, select
+    # pass 2 walks a chunk of score_threads scores as one tile of score_threads threads
+    return (block_max, block_max_program(problem.block, config, fl, bf16=problem.bf16_logits, publish=True),
+            compact_program(config["score_threads"], 1, fl, drop_neg_inf=True),
+            topk_stage_program(config, fl, drop_neg_inf=True, positions=True), select)
 
 
 def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavour, out):
@@ -396,7 +699,15 @@ def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavo
         out.fill_(-1)
         return None
     scores = torch.empty((rows, problem.blocks), dtype=torch.float32, device=logits.device)
-    return [_values_arg(logits, fl), row_end, scores], topk_stage_args(scores, None, out, fl)
+    block_max = [_values_arg(logits, fl), row_end, scores]
+    tiles = -(-problem.blocks // config["score_threads"])
+    if not _split(config):
+        return block_max, topk_stage_args(scores, None, out, fl)
+    if tiles < 2:
+        return block_max, None, None, None, topk_stage_args(scores, None, out, fl)
+    buffers = split_buffers(rows, tiles, problem.blocks, logits.device)
+    return (None, [*block_max, buffers["total"], buffers["suffix"]],
+            *split_select_args(scores, out, config["score_threads"], buffers, fl), None)
 
 
 BLOCKS_SPACE = Space(
@@ -407,5 +718,6 @@ BLOCKS_SPACE = Space(
 
 
 def blocks_default(problem: CandidateProblem) -> dict:
-    """128 blocks per scoring block; the top-k stage as topk_default for a row of ceil(N / block) scores."""
+    """128 blocks per scoring block; the top-k stage as topk_default for a row of ceil(N / block) scores (on GPU
+    split: the scoring blocks are its chunks)."""
     return {"score_threads": 128, **topk_default(TopkProblem(problem.rows, problem.blocks, problem.n_blocks))}

@@ -42,10 +42,11 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch
-from flashkern.kernels.indexer.problem import TopkProblem
+from flashkern.kernels.indexer.problem import TopkProblem, split_chunk
 
 NAN_KEY = tl.constexpr(-(2**31))  # the lowest int32: NaN ranks below every number
 NEG_INF_KEY = tl.constexpr(-2139095041)  # order key of -inf: 0xFF800000 with its magnitude bits flipped
+INF_KEY = tl.constexpr(0x7F800000)  # order key of +inf: its bits
 RADIX_BINS = tl.constexpr(256)
 
 
@@ -62,14 +63,77 @@ def order_key(x, nan_key):
 
 
 @triton.jit
-def _tile_keys(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Columns [1, BLOCK_N] of tile `tile`, the rows' order keys there and which are eligible, [BLOCK_M, BLOCK_N]."""
+def _tile_values(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr, row_positions=None,
+                 width=0):
+    """Tile `tile` of the rows' columns [BLOCK_M, BLOCK_N]: their positions, fp32 values and which are eligible.
+
+    A column is its own position, or with row_positions (a pointer per row) the position stored there, one of
+    [0, width): the candidate list of a split selection (compact_kernel)."""
     col = tile * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     eligible = (col >= start[:, None]) & (col < end[:, None])
-    x = tl.load(row_values[:, None] + col, mask=eligible, other=0.0).to(tl.float32)  # bf16 logits: exact in fp32
+    position = col
+    if row_positions is not None:
+        position = tl.load(row_positions[:, None] + col, mask=eligible, other=0)
+        position = tl.minimum(tl.maximum(position, 0), width - 1)  # (always in range, once pass 2 ran)
+    x = tl.load(row_values[:, None] + position, mask=eligible, other=0.0).to(tl.float32)  # bf16: exact in fp32
     if DROP_NEG_INF:
         eligible = eligible & (x > float("-inf"))  # false for NaN too
-    return col, order_key(x, NAN_KEY), eligible
+    return position, x, eligible
+
+
+@triton.jit
+def _tile_keys(row_values, tile, start, end, DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr, row_positions=None,
+               width=0):
+    """_tile_values with the values' order keys."""
+    position, x, eligible = _tile_values(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N, row_positions, width)
+    return position, order_key(x, NAN_KEY), eligible
+
+
+@triton.jit
+def _row_span(starts_ptr, ends_ptr, row, row_ok, width):
+    """[start, end) of each row: starts and ends (None: 0 and width; any int32) clamped to [0, width], empty rows
+    where not row_ok."""
+    start = tl.zeros(row.shape, tl.int32)
+    if starts_ptr is not None:
+        start = tl.maximum(tl.load(starts_ptr + row, mask=row_ok, other=0), 0)
+    end = tl.where(row_ok, width, 0)
+    if ends_ptr is not None:
+        end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
+    return start, end
+
+
+@triton.jit
+def _first_digit(x):
+    """The split selection's first digit of a fp32 value: the top 8 bits (sign, exponent, two mantissa bits:
+    quarter-octave bins) of the unsigned order form of x rounded to fp16 (TensorRT-LLM's first pass; +-inf as
+    +-65504), NaN 0. Non-decreasing in the order key, so the keys at or above the rank-th largest have digits at or
+    above its."""
+    finite = tl.minimum(tl.maximum(x, -65504.0), 65504.0)  # fp16's range, so the conversion never overflows
+    half = finite.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+    digit = ((half ^ ((half >> 15) & 0x7FFF) ^ 0x8000) >> 8) & 0xFF  # negative: magnitude flipped, sign bit clear
+    return tl.where(x == x, digit, 0)
+
+
+@triton.jit
+def _half_of_radix(radix):
+    """The fp16 value (as fp32) whose unsigned-order form is `radix` (int32 in [0, 65535])."""
+    bits = tl.where(radix >= 0x8000, radix ^ 0x8000, radix ^ 0xFFFF)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _lowest_key_of_digit(digit):
+    """The lowest key whose _first_digit is >= digit (int32 [1]), so that a pass compares keys instead of computing
+    digits. The bin's lowest half h (low 8 bits of its order form 0) and the half below it, hp: fp32 values round
+    to h from their midpoint m up; at m itself ties go to the even one, h when h >= +0 (its mantissa ends in 8
+    zeros), hp when h < 0 (h's ends in 8 ones). Digit 0 is NaN's (every key), digits <= 4 hold only -65504 (the
+    clamped lowest: every key but NaN), digits >= 252 no value (a key above +inf's)."""
+    radix = tl.minimum(tl.maximum(digit, 5), 251) << 8  # (the other digits' keys are set below)
+    h = _half_of_radix(radix)
+    m = (h + _half_of_radix(radix - 1)) * 0.5  # exact in fp32
+    key = flip_negative(m.to(tl.int32, bitcast=True)) + (h < 0).to(tl.int32)
+    key = tl.where(digit <= 4, NEG_INF_KEY, tl.where(digit >= 252, INF_KEY + 1, key))
+    return tl.where(digit == 0, NAN_KEY, key)
 
 
 @triton.jit
@@ -103,25 +167,56 @@ def select_in_registers(key, eligible, k):
 
 
 @triton.jit
-def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, blocks_ptr, stride_blocks, out_ptr, k,
-                DROP_NEG_INF: tl.constexpr, ENDS_BOUND_WALK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _digit_histogram(key, counted, found, shift: tl.constexpr, MATCH_FOUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """One tile's share of a radix pass, [BLOCK_M, 256]: each row's counts of the digit at `shift` among its counted
+    keys (with MATCH_FOUND, those whose higher digits are `found`)."""
+    radix = key ^ NAN_KEY
+    if MATCH_FOUND:
+        counted = counted & ((radix >> (shift + 8)) == (found[:, None] >> (shift + 8)))
+    bin_of = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS + ((radix >> shift) & 0xFF)  # a row's own 256 bins
+    counts = tl.histogram(tl.reshape(bin_of, (BLOCK_M * BLOCK_N,)), BLOCK_M * RADIX_BINS,
+                          mask=tl.reshape(counted, (BLOCK_M * BLOCK_N,)))
+    return tl.reshape(counts, (BLOCK_M, RADIX_BINS))
+
+
+@triton.jit
+def _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row, row_blocks,
+                 BLOCK: tl.constexpr):
+    """One tile of the gather: its keys above the threshold and the ties within the quota go to the rows' next
+    output slots, in column order (mapped through the rows' blocks unless row_blocks is None); returns the updated
+    counts of taken positions and of ties seen."""
+    tie = (eligible & (key == threshold)).to(tl.int32)
+    tie_rank = ties_seen[:, None] + tl.cumsum(tie, 1) - 1
+    take = (eligible & (key > threshold)) | ((tie != 0) & (tie_rank < quota[:, None]))
+    slot = taken[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+    index = position
+    if row_blocks is not None:
+        index = tl.load(row_blocks + position // BLOCK, mask=take, other=0) * BLOCK + position % BLOCK
+    tl.store(out_row + slot, index, mask=take)
+    return taken + tl.sum(take.to(tl.int32), axis=1), ties_seen + tl.sum(tie, axis=1)
+
+
+@triton.jit
+def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, blocks_ptr, stride_blocks, positions_ptr,
+                out_ptr, k, DROP_NEG_INF: tl.constexpr, ENDS_BOUND_WALK: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = row < rows
     row = row.to(tl.int64)
     row_values = values_ptr + row * stride_row
-    start = tl.zeros((BLOCK_M,), tl.int32)
-    if starts_ptr is not None:  # any int32: the row's columns are [max(start, 0), min(end, width))
-        start = tl.maximum(tl.load(starts_ptr + row, mask=row_ok, other=0), 0)
-    end = tl.where(row_ok, width, 0)
-    walk_end = end
-    if ends_ptr is not None:
-        walk_end = tl.minimum(tl.load(ends_ptr + row, mask=row_ok, other=0), width)
-        if not ENDS_BOUND_WALK:  # (else columns past the ends hold no eligible value: the masks stay uniform)
-            end = walk_end
+    row_positions = None
+    if positions_ptr is not None:  # columns are the [rows, width] candidate list's entries
+        row_positions = positions_ptr + row * width
+    start, walk_end = _row_span(starts_ptr, ends_ptr, row, row_ok, width)
+    end = walk_end
+    if ENDS_BOUND_WALK:  # columns past the ends hold no eligible value: the masks stay uniform over the width
+        end = tl.where(row_ok, width, 0)
     first_tile = tl.min(start) // BLOCK_N
     end_tile = tl.cdiv(tl.max(walk_end), BLOCK_N)
-    row_bins = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS  # each row histograms into its own 256 bins
+
+    # the first tile stays in registers through every pass (a row of one tile is read once)
+    first = _tile_keys(row_values, first_tile, start, end, DROP_NEG_INF, BLOCK_N, row_positions, width)
 
     # 1. radix select: digits of the rank-th largest key, 8 bits at a time (in the key's unsigned
     #    order, key ^ NAN_KEY), while `quota` counts down to its rank among the keys that share them
@@ -129,16 +224,10 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
     quota = tl.full((BLOCK_M,), k, tl.int32)
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # a constexpr: p is static
-        histogram = tl.zeros((BLOCK_M, RADIX_BINS), tl.int32)
-        for tile in range(first_tile, end_tile):
-            _, key, counted = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N)
-            radix = key ^ NAN_KEY
-            if p > 0:
-                counted = counted & ((radix >> (shift + 8)) == (found[:, None] >> (shift + 8)))
-            bin_of = row_bins + ((radix >> shift) & 0xFF)
-            counts = tl.histogram(tl.reshape(bin_of, (BLOCK_M * BLOCK_N,)), BLOCK_M * RADIX_BINS,
-                                  mask=tl.reshape(counted, (BLOCK_M * BLOCK_N,)))
-            histogram += tl.reshape(counts, (BLOCK_M, RADIX_BINS))
+        histogram = _digit_histogram(first[1], first[2], found, shift, p > 0, BLOCK_M, BLOCK_N)
+        for tile in range(first_tile + 1, end_tile):
+            _, key, counted = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N, row_positions, width)
+            histogram += _digit_histogram(key, counted, found, shift, p > 0, BLOCK_M, BLOCK_N)
         if p == 0:
             quota = tl.minimum(quota, tl.sum(histogram, axis=1))
         found, quota = _next_digit(histogram, found, quota, shift)
@@ -146,21 +235,18 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
 
     # 2. gather in ascending column order
     out_row = out_ptr + row[:, None] * k
+    row_blocks = None
+    if blocks_ptr is not None:
+        row_blocks = blocks_ptr + row[:, None] * stride_blocks
     taken = tl.zeros((BLOCK_M,), tl.int32)
     ties_seen = tl.zeros((BLOCK_M,), tl.int32)
-    for tile in range(first_tile, end_tile):
-        col, key, eligible = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N)
-        tie = (eligible & (key == threshold)).to(tl.int32)
-        tie_rank = ties_seen[:, None] + tl.cumsum(tie, 1) - 1
-        take = (eligible & (key > threshold)) | ((tie != 0) & (tie_rank < quota[:, None]))
-        slot = taken[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
-        index = col
-        if blocks_ptr is not None:
-            block_id = tl.load(blocks_ptr + row[:, None] * stride_blocks + col // BLOCK, mask=take, other=0)
-            index = block_id * BLOCK + col % BLOCK
-        tl.store(out_row + slot, index, mask=take)
-        taken += tl.sum(take.to(tl.int32), axis=1)
-        ties_seen += tl.sum(tie, axis=1)
+    taken, ties_seen = _gather_tile(first[0], first[1], first[2], threshold, quota, taken, ties_seen, out_row,
+                                    row_blocks, BLOCK)
+    for tile in range(first_tile + 1, end_tile):
+        position, key, eligible = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N, row_positions,
+                                             width)
+        taken, ties_seen = _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row,
+                                        row_blocks, BLOCK)
 
     # 3. -1 padding
     for tile in range(tl.min(taken) // BLOCK_N, tl.cdiv(k, BLOCK_N)):
@@ -194,34 +280,103 @@ def rank_order_kernel(values_ptr, stride_row, chosen_ptr, out_ptr, k, BLOCK_I: t
 
 
 @triton.jit
-def block_max_kernel(logits_ptr, stride_row, width, row_end_ptr, scores_ptr, n_scores, total_scores,
+def _publish_histogram(histogram, total_ptr, suffix_ptr, row, chunk_id, chunks):
+    """A chunk's first-digit histogram [256]: added to its row's total (atomics on the bins it holds) and stored as
+    suffix sums (keys in the bins >= each) for the compaction's offsets."""
+    bins = tl.arange(0, RADIX_BINS)
+    tl.atomic_add(total_ptr + row * RADIX_BINS + bins, histogram, mask=histogram > 0)
+    tl.store(suffix_ptr + (row * chunks + chunk_id) * RADIX_BINS + bins, tl.cumsum(histogram, 0, reverse=True))
+
+
+@triton.jit
+def chunk_histogram_kernel(values_ptr, stride_row, width, starts_ptr, ends_ptr, total_ptr, suffix_ptr, chunk, chunks,
+                           DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split selection, pass 1: program row * chunks + c histograms the first digit of the eligible keys of columns
+    [c * chunk, (c + 1) * chunk) of its row (_publish_histogram)."""
+    row = tl.program_id(0).to(tl.int64) // chunks
+    chunk_id = tl.program_id(0) % chunks
+    rows = row + tl.zeros((1,), tl.int64)  # the row as a [1] vector, for the row-tile helpers
+    start, end = _row_span(starts_ptr, ends_ptr, rows, rows >= 0, width)
+    lo = tl.maximum(start, chunk_id * chunk)
+    hi = tl.minimum(end, chunk_id * chunk + chunk)
+    histogram = tl.zeros((RADIX_BINS,), tl.int32)
+    for tile in range(tl.min(lo) // BLOCK_N, tl.cdiv(tl.max(hi), BLOCK_N)):
+        _, x, counted = _tile_values(values_ptr + rows * stride_row, tile, lo, hi, DROP_NEG_INF, BLOCK_N)
+        histogram += tl.histogram(tl.reshape(_first_digit(x), (BLOCK_N,)), RADIX_BINS,
+                                  mask=tl.reshape(counted, (BLOCK_N,)))
+    _publish_histogram(histogram, total_ptr, suffix_ptr, row, chunk_id, chunks)
+
+
+@triton.jit
+def compact_kernel(values_ptr, stride_row, width, starts_ptr, ends_ptr, total_ptr, suffix_ptr, chunk, chunks,
+                   positions_ptr, counts_ptr, k, DROP_NEG_INF: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CHUNKS_PAD: tl.constexpr):
+    """Split selection, pass 2: from the row's histogram, the first digit d of its min(k, eligible)-th largest key;
+    program row * chunks + c writes the positions of its chunk's eligible keys whose first digit is >= d, ascending,
+    to positions[row, offset ..], offset = such keys in the chunks before c; counts[row] = such keys in the row."""
+    row = tl.program_id(0).to(tl.int64) // chunks
+    chunk_id = tl.program_id(0) % chunks
+    rows = row + tl.zeros((1,), tl.int64)
+    histogram = tl.load(total_ptr + row * RADIX_BINS + tl.arange(0, RADIX_BINS))[None, :]
+    quota = tl.minimum(tl.full((1,), k, tl.int32), tl.sum(histogram, axis=1))
+    found, _ = _next_digit(histogram, tl.zeros((1,), tl.int32), quota, 24)
+    digit = (found >> 24) & 0xFF
+    lowest = _lowest_key_of_digit(digit)
+    other = tl.arange(0, CHUNKS_PAD)
+    kept = tl.load(suffix_ptr + (row * chunks + other) * RADIX_BINS + digit, mask=other < chunks, other=0)
+    offset = tl.sum(tl.where(other < chunk_id, kept, 0))
+    if chunk_id == 0:
+        tl.store(counts_ptr + rows, tl.sum(kept) + tl.zeros((1,), tl.int32))
+    start, end = _row_span(starts_ptr, ends_ptr, rows, rows >= 0, width)
+    lo = tl.maximum(start, chunk_id * chunk)
+    hi = tl.minimum(end, chunk_id * chunk + chunk)
+    row_candidates = positions_ptr + row * width
+    for tile in range(tl.min(lo) // BLOCK_N, tl.cdiv(tl.max(hi), BLOCK_N)):
+        position, key, eligible = _tile_keys(values_ptr + rows * stride_row, tile, lo, hi, DROP_NEG_INF, BLOCK_N)
+        keep = eligible & (key >= lowest[:, None])  # first digit >= digit
+        slot = offset + tl.cumsum(keep.to(tl.int32), 1) - 1
+        tl.store(row_candidates + slot, position, mask=keep)  # slot < width: the keys kept by pass 1 fit the row
+        offset += tl.sum(keep.to(tl.int32))
+
+
+@triton.jit
+def block_max_kernel(logits_ptr, stride_row, width, row_end_ptr, scores_ptr, n_scores, total_ptr, suffix_ptr,
                      BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr, TILE_BLOCKS: tl.constexpr):
-    score = tl.program_id(0).to(tl.int64) * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)  # flat [rows, n_scores] index
-    score_ok = score < total_scores
-    row = score // n_scores
-    block_id = score % n_scores
-    end = tl.minimum(tl.maximum(tl.load(row_end_ptr + row, mask=score_ok, other=0), 0), width)  # any int32 row_end
+    """Program row * tiles + t scores blocks [t * TILE_BLOCKS, (t + 1) * TILE_BLOCKS) of its row; with total_ptr its
+    tile is also a chunk of the split selection over the scores: it publishes their first-digit histogram (pass 1 of
+    the selection folded into the one read of the logits)."""
+    tiles = tl.cdiv(n_scores, TILE_BLOCKS)
+    row = tl.program_id(0).to(tl.int64) // tiles
+    tile = tl.program_id(0) % tiles
+    block_id = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+    score_ok = block_id < n_scores
+    end = tl.minimum(tl.maximum(tl.load(row_end_ptr + row), 0), width)  # any int32 row_end
     slot = tl.arange(0, BLOCK_PAD)[None, :]
     position = block_id[:, None] * BLOCK + slot
-    x = tl.load(logits_ptr + row[:, None] * stride_row + position, mask=(slot < BLOCK) & (position < end[:, None]),
+    x = tl.load(logits_ptr + row * stride_row + position, mask=(slot < BLOCK) & (position < end),
                 other=float("-inf")).to(tl.float32)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 as +0.0, as the reference's maximum
     best = flip_negative(tl.max(order_key(x, NEG_INF_KEY), axis=1)).to(tl.float32, bitcast=True)
     best = tl.where((end > 0) & (block_id == (end - 1) // BLOCK), float("inf"), best)
-    tl.store(scores_ptr + score, best, mask=score_ok)
+    tl.store(scores_ptr + row * n_scores + block_id, best, mask=score_ok)
+    if total_ptr is not None:
+        histogram = tl.histogram(_first_digit(best), RADIX_BINS,
+                                 mask=score_ok & (best > float("-inf")))
+        _publish_histogram(histogram, total_ptr, suffix_ptr, row, tile, tiles)
 
 
 # ---------------------------------------------------------------- plans
 
 
 def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, ends_bound_walk=False, blocks=None,
-                block=1) -> Launch:
+                block=1, positions=None) -> Launch:
     """The top-k stage over values [M, W] (fp32 or bf16, row-strided) into out int32 [M, k]: ascending positions.
 
     ends/starts [M] int32 (any values: clamped to [0, W]) or None (the whole row); drop_neg_inf: -inf and NaN are not
     eligible; ends_bound_walk: ends only bound the tiles walked, the columns past them holding no eligible value
     (masks then stay uniform over a row's width, so that loads vectorize); blocks [M, W // block] int32
-    (row-strided) or None: emitted column c becomes blocks[m, c // block] * block + c % block.
+    (row-strided) or None: emitted column c becomes blocks[m, c // block] * block + c % block; positions
+    int32 [M, W] or None: column c of row m stands for position positions[m, c] (a split selection's candidates).
     """
     rows, width = values.shape
     k = out.shape[1]
@@ -229,10 +384,58 @@ def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, e
         topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
         args=dict(values_ptr=values, stride_row=values.stride(0), rows=rows, width=width, starts_ptr=starts,
                   ends_ptr=ends, blocks_ptr=blocks, stride_blocks=0 if blocks is None else blocks.stride(0),
-                  out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf, ENDS_BOUND_WALK=ends_bound_walk, BLOCK=block,
-                  BLOCK_M=config["block_m"], BLOCK_N=config["block_n"]),
+                  positions_ptr=positions, out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf,
+                  ENDS_BOUND_WALK=ends_bound_walk, BLOCK=block, BLOCK_M=config["block_m"],
+                  BLOCK_N=config["block_n"]),
         num_warps=config["num_warps"],
     )
+
+
+def split_buffers(rows: int, chunks: int, width: int, device) -> dict:
+    """A split selection's scratch: the rows' first-digit histograms (chunks add into them) and candidate counts,
+    zeroed in one piece; each chunk's suffix sums; the candidate positions."""
+    bins = RADIX_BINS.value
+    zeroed = torch.zeros(rows * (bins + 1), dtype=torch.int32, device=device)
+    return dict(total_ptr=zeroed[:rows * bins].view(rows, bins),
+                suffix_ptr=torch.empty((rows, chunks, bins), dtype=torch.int32, device=device),
+                positions_ptr=torch.empty((rows, width), dtype=torch.int32, device=device),
+                counts_ptr=zeroed[rows * bins:])
+
+
+def split_select(values, out, config, chunk, buffers, *, starts=None, ends=None, drop_neg_inf=False, blocks=None,
+                 block=1) -> tuple[Launch, Launch]:
+    """Passes 2 and 3 of a split selection of values [M, W] into out [M, k], after pass 1 filled buffers' histograms
+    over chunks of `chunk` columns: the compaction of the candidates (first digit >= the k-th largest key's), then
+    the top-k stage over them (a row per CTA, reading only the candidates)."""
+    rows, width = values.shape
+    chunks = buffers["suffix_ptr"].shape[1]
+    compact = Launch(
+        compact_kernel, grid=(rows * chunks,), cooperating=chunks,
+        args=dict(values_ptr=values, stride_row=values.stride(0), width=width, starts_ptr=starts, ends_ptr=ends,
+                  **buffers, chunk=chunk, chunks=chunks, k=out.shape[1], DROP_NEG_INF=drop_neg_inf,
+                  BLOCK_N=min(config["block_n"], triton.next_power_of_2(chunk)),
+                  CHUNKS_PAD=triton.next_power_of_2(chunks)),
+        num_warps=config["num_warps"])
+    return compact, topk_launch(values, buffers["counts_ptr"], out, config, drop_neg_inf=drop_neg_inf, blocks=blocks,
+                                block=block, positions=buffers["positions_ptr"])
+
+
+def select_launches(values, ends, out, config, *, starts=None) -> tuple[Launch, ...]:
+    """topk_indices' selection of values [M, W] into out: the one-launch top-k stage, or split over CTAs
+    (split_chunk): pass 1 (chunk_histogram_kernel), then split_select."""
+    rows, width = values.shape
+    chunk = split_chunk(rows, width, config["chunks"], config["block_n"])
+    if not chunk:
+        return (topk_launch(values, ends, out, config, starts=starts),)
+    chunks = -(-width // chunk)
+    buffers = split_buffers(rows, chunks, width, values.device)
+    histogram = Launch(
+        chunk_histogram_kernel, grid=(rows * chunks,), cooperating=chunks,
+        args=dict(values_ptr=values, stride_row=values.stride(0), width=width, starts_ptr=starts, ends_ptr=ends,
+                  total_ptr=buffers["total_ptr"], suffix_ptr=buffers["suffix_ptr"], chunk=chunk, chunks=chunks,
+                  DROP_NEG_INF=False, BLOCK_N=config["block_n"]),
+        num_warps=config["num_warps"])
+    return (histogram, *split_select(values, out, config, chunk, buffers, starts=starts, ends=ends))
 
 
 def rank_order_launch(values, chosen, out, config) -> Launch:
@@ -247,24 +450,31 @@ def rank_order_launch(values, chosen, out, config) -> Launch:
 
 def plan_topk(problem, inputs, config, out):
     if not problem.by_score:
-        return topk_launch(inputs["logits"], inputs["ends"], out, config, starts=inputs["starts"])
+        return select_launches(inputs["logits"], inputs["ends"], out, config, starts=inputs["starts"])
     chosen = torch.empty_like(out)  # ascending, between the stages
-    return (topk_launch(inputs["logits"], inputs["ends"], chosen, config, starts=inputs["starts"]),
+    return (*select_launches(inputs["logits"], inputs["ends"], chosen, config, starts=inputs["starts"]),
             rank_order_launch(inputs["logits"], chosen, out, config))
 
 
 def plan_candidate_blocks(problem, inputs, config, out):
+    """Block scores, then their top-k (-inf dropped); split (config["chunks"] > 1 and several score tiles per row),
+    the block-score tiles are the selection's chunks and publish its first pass."""
     logits, block = inputs["logits"], inputs["block"]
     scores = torch.empty((problem.rows, problem.blocks), dtype=torch.float32, device=logits.device)
     tile = config["tile_blocks"]
+    tiles = triton.cdiv(problem.blocks, tile)
+    split = config["chunks"] > 1 and tiles > 1
+    buffers = split_buffers(problem.rows, tiles, problem.blocks, logits.device) if split else {}
     block_max = Launch(
-        block_max_kernel, grid=(triton.cdiv(problem.rows * problem.blocks, tile),),
+        block_max_kernel, grid=(problem.rows * tiles,), cooperating=tiles if split else 1,
         args=dict(logits_ptr=logits, stride_row=logits.stride(0), width=problem.positions,
                   row_end_ptr=inputs["row_end"], scores_ptr=scores, n_scores=problem.blocks,
-                  total_scores=problem.rows * problem.blocks, BLOCK=block, BLOCK_PAD=triton.next_power_of_2(block),
-                  TILE_BLOCKS=tile),
+                  total_ptr=buffers.get("total_ptr"), suffix_ptr=buffers.get("suffix_ptr"), BLOCK=block,
+                  BLOCK_PAD=triton.next_power_of_2(block), TILE_BLOCKS=tile),
         num_warps=config["num_warps"],
     )
+    if split:
+        return (block_max, *split_select(scores, out, config, tile, buffers, drop_neg_inf=True))
     return block_max, topk_launch(scores, None, out, config, drop_neg_inf=True)
 
 
@@ -300,7 +510,7 @@ def _scores_fit(problem, config) -> bool:
 
 
 _TOPK_PARAMS = {"block_m": (1, 2, 4, 8, 16, 32), "block_n": (512, 1024, 2048, 4096, 8192, 16384),
-                "num_warps": (4, 8, 16)}
+                "num_warps": (4, 8, 16), "chunks": (1, 4, 16, 64)}
 _TOPK_LIMITS = {
     "block_m x block_n / threads <= 32, 16 on 16 warps (registers)": lambda p, c: _tile_fits(c),
     "block_m x 256 / threads <= 4, 2 on 16 warps (registers: the histogram)": lambda p, c: _histogram_fits(c),
@@ -328,23 +538,29 @@ def _rank_tiles(k: int, config) -> tuple[int, int]:
     return max(1, min(k_pad, _values_budget(config) * _threads(config) // block_j)), block_j
 
 
+SPLIT_FROM = 32768  # positions per row from which the GPU default splits rows (shorter: the split's three
+#                    launches cost more latency than one CTA's passes, model 8.6 against 7.6 us at 8K)
+
+
 def topk_default(problem) -> dict:
-    """A row per program on 8 warps in tiles of up to 4096 (16 values per thread).
+    """A row per program on 8 warps in tiles of up to 4096 (16 values per thread); rows of SPLIT_FROM positions
+    or more split over up to 64 CTAs each (split_chunk: about 2 CTAs per SM in all).
 
     Under the interpreter every tl op costs about the same whatever its size: a row in as few tiles
-    as allowed, and as many rows per program as fit INTERPRETED_TILE elements.
+    as allowed, as many rows per program as fit INTERPRETED_TILE elements, and no split (the split's
+    configs are tested directly).
     """
     if flashkern.triton_interpreted():
         block_n = max(512, min(16384, triton.next_power_of_2(max(1, problem.positions))))
         block_m = max(1, min(32, INTERPRETED_TILE // block_n, triton.next_power_of_2(max(1, problem.rows))))
-        return {"block_m": block_m, "block_n": block_n, "num_warps": 8}
+        return {"block_m": block_m, "block_n": block_n, "num_warps": 8, "chunks": 1}
     return {"block_m": 1, "block_n": max(512, min(4096, triton.next_power_of_2(max(1, problem.positions)))),
-            "num_warps": 8}
+            "num_warps": 8, "chunks": 64 if problem.positions >= SPLIT_FROM else 1}
 
 
 def blocks_default(problem) -> dict:
-    """Block-score tiles of 16 values per thread on 8 warps (2048 blocks under the interpreter); the top-k
-    stage as topk_default runs the scores."""
+    """Block-score tiles of 16 values per thread on 8 warps (2048 blocks under the interpreter), each a chunk of
+    the split selection over the scores; the top-k stage as topk_default runs the scores."""
     select = topk_default(TopkProblem(problem.rows, problem.blocks, problem.n_blocks))
     if flashkern.triton_interpreted():
         return {"tile_blocks": 2048, **select}
