@@ -428,14 +428,15 @@ def _selection_rows(rows: int, width: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("by_score", (False, True), ids=("ascending", "sorted"))
 @pytest.mark.parametrize("backend", KERNELS)
-def test_split_selection_in_the_gpus_default_config(backend, by_score):
-    """The GPU's default for 16 rows of 512K positions splits a row over CTAs (first-digit histograms merged per
-    row, the candidates compacted, the top-k stage over them; the CPU default keeps a row in one CTA), on 6 rows
-    of 20000: several chunks, the last ragged; rows from _selection_rows, ends below the width and below k,
-    starts past a chunk; fp32 and bf16, against the reference exactly."""
+def test_split_selection_in_the_gpus_config(backend, by_score):
+    """The GPU's config for 16 rows of 512K positions (its default, with rows split over up to 64 CTAs: Triton's
+    default, TileLang's tuning choice) splits a row over CTAs (first-digit histograms merged per row, the
+    candidates compacted, the top-k stage over them; the CPU default keeps a row in one CTA), on 6 rows of 20000:
+    several chunks, the last ragged; rows from _selection_rows, ends below the width and below k, starts past a
+    chunk; fp32 and bf16, against the reference exactly."""
     op = OPS["topk_indices"]
     with flashkern.planning_for_gpu():
-        config = op.implementation(backend).default_config(TopkProblem(16, 524288, 512))
+        config = {**op.implementation(backend).default_config(TopkProblem(16, 524288, 512)), "chunks": 64}
     assert split_chunk(6, 20000, config["chunks"], _split_tile(backend, config)) not in (0, 20000), config
     logits = _selection_rows(6, 20000, seed=3)
     ends = torch.tensor([20000, 19999, 15000, 20000, 20000, 300], dtype=torch.int32)
@@ -446,14 +447,14 @@ def test_split_selection_in_the_gpus_default_config(backend, by_score):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-def test_split_candidate_blocks_in_the_gpus_default_config(backend):
-    """The GPU's default for 16 rows of 512K positions: block-score tiles are the chunks of the split selection over
-    the scores and publish its first pass; on 5 rows of 20000 positions (2500 block scores: several tiles) with
-    _selection_rows and row ends from empty to the full row, against the reference exactly."""
+def test_split_candidate_blocks_in_the_gpus_config(backend):
+    """The GPU's config for 16 rows of 512K positions, split (its default, with up to 64 CTAs a row): block-score
+    tiles are the chunks of the split selection over the scores and publish its first pass; on 5 rows of 20000
+    positions (2500 block scores: several tiles) with _selection_rows and row ends from empty to the full row,
+    against the reference exactly."""
     op = OPS["candidate_blocks"]
     with flashkern.planning_for_gpu():
-        config = op.implementation(backend).default_config(CandidateProblem(16, 524288))
-    assert config["chunks"] > 1, config
+        config = {**op.implementation(backend).default_config(CandidateProblem(16, 524288)), "chunks": 64}
     row_end = torch.tensor([20000, 17777, 0, 20000, 5000], dtype=torch.int32)
     inputs = on_device(dict(logits=_selection_rows(5, 20000, seed=4), row_end=row_end, n_blocks=300, block=8))
     run_and_check(op, inputs, backend, config)

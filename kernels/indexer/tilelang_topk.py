@@ -47,7 +47,6 @@ pass 1 for the scores it writes (eligible: > -inf), then passes 2 and 3 over the
 import tilelang.language as T
 import torch
 
-import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
 from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem, split_chunk
@@ -594,17 +593,13 @@ TOPK_SPACE = Space(
 )
 
 
-def _chunks_default() -> int:
-    """A row split over up to 64 CTAs on GPU (split_chunk: about 2 CTAs per SM in all); in one CTA where the process
-    plans for the CPU (flashkern.triton_interpreted(): no GPU here and not flashkern.planning_for_gpu(); the C
-    target runs CTAs one after another, so a split only adds passes; the split's configs are tested directly)."""
-    return 1 if flashkern.triton_interpreted() else 64
-
-
 def topk_default(problem: TopkProblem) -> dict:
-    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K; on GPU the
-    row split over up to 64 CTAs (_chunks_default)."""
-    chunks = {"chunks": _chunks_default()}
+    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K.
+
+    Rows stay in one CTA (chunks 1) on GPU too, for now: the model cannot yet bound the split's passes, whose tile
+    loops run to data-dependent chunk ends (it counts each CTA walking the whole row: 709 against 250 us at one row
+    of 512K); the split is in the space for tuning, and its configs are tested directly."""
+    chunks = {"chunks": 1}
     if problem.positions >= 1 << 16:
         return {"threads": 1024, "items": 8, **chunks}
     if problem.positions >= 1 << 13:

@@ -346,9 +346,10 @@ SPLIT_GATE_TILES = 4  # token tiles up to which the GPU default splits D (decode
 
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles on 8 warps, three stages. Up to SPLIT_GATE_TILES token tiles (decode), a split GEMV: 64-slot
+    """16-row MMA tiles on 8 warps. Up to SPLIT_GATE_TILES token tiles (decode), a split GEMV (two stages): 64-slot
     expert blocks and D split so that about SMS programs stream W once per tile, the last one of a tile routing it;
-    splits a power of 2 (1 to 32); beyond, a program per token tile with all slots, block_d keeping the W tile at 64 values per thread.
+    splits a power of 2 (1 to 32); beyond, a program per token tile with all slots, block_d keeping the W tile at 64
+    values per thread, three stages.
 
     Under the interpreter, where each loop step costs the same whatever its size, block_d is 128 and D is not split
     (the split's configs are tested directly).
@@ -362,8 +363,8 @@ def gate_default(problem) -> dict:
         block_e = min(64, slots)
         splits = min(32, 1 << (-(-SMS // (tiles * (slots // block_e)))).bit_length() - 1)  # a power of 2
         epi_t = 1 if problem.tokens == 1 else 16  # a lone token routed alone (model: 17.9 -> 6.5 us)
-        return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 3, "splits": splits, "block_e": block_e,
-                "epi_t": epi_t}
+        return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2, "splits": splits, "block_e": block_e,
+                "epi_t": epi_t}  # (three stages spill 12 B with V3's groups at epi_t 1: ptxas, sm_90a)
     block_d = max(32, min(128, 64 * 256 // slots))
     return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3, "splits": 1, "block_e": 64,
             "epi_t": 16}
