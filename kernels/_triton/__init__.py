@@ -57,12 +57,22 @@ class Launch:
         self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.options)
 
 
+def _params(kernel):
+    """The kernel's parameters as the JIT sees them (constexpr, do_not_specialize), interpreted or not."""
+    if hasattr(kernel, "params"):
+        return kernel.params
+    from triton.runtime.jit import JITFunction
+
+    options = {name: kernel.kwargs.get(name) for name in ("do_not_specialize", "do_not_specialize_on_alignment")}
+    return JITFunction(kernel.fn, **options).params
+
+
 def _signature(launch: Launch):
     """Triton signature, constexprs and attributes for an AOT build, specialized as the JIT specializes them at run
     time: an integer equal to 1 becomes the constant 1, integers divisible by 16 and 16-byte-aligned pointers get
     `tt.divisibility = 16` (unless the kernel opts out with do_not_specialize / do_not_specialize_on_alignment)."""
     signature, constexprs, attrs = {}, {}, {}
-    for index, param in enumerate(launch.kernel.params):
+    for index, param in enumerate(_params(launch.kernel)):
         value = launch.args[param.name]
         specialize = not param.do_not_specialize
         aligned = specialize and not param.do_not_specialize_on_alignment
@@ -84,6 +94,14 @@ def _signature(launch: Launch):
         else:
             raise TypeError(f"argument {param.name!r}: cannot type {type(value).__name__} for an AOT build")
     return signature, constexprs, attrs
+
+
+def compile_key(launch: Launch) -> tuple:
+    """What the JIT compiles `launch` for: the kernel, its specialized signature and its launch options. Two launches
+    with one key share one compiled kernel."""
+    signature, constexprs, attrs = _signature(launch)
+    return (launch.kernel.fn.__qualname__, tuple(signature.items()), tuple(sorted(map(repr, constexprs.items()))),
+            tuple(sorted(attrs)), launch.num_warps, launch.num_stages, tuple(sorted(launch.options.items())))
 
 
 def _ptxas_path() -> str:

@@ -121,7 +121,7 @@ def _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_p
     return S
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "keys"])  # per-step sizes: one compile whatever the batch
 def indexer_logits_kernel(
     q_ptr, q_scale_ptr, w_ptr, k_ptr, k_scale_ptr, out_ptr,
     ks_ptr, ke_ptr,  # dense and sparse: each row's visible positions [ks, ke)

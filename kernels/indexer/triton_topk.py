@@ -197,7 +197,7 @@ def _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, ou
     return taken + tl.sum(take.to(tl.int32), axis=1), ties_seen + tl.sum(tie, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per-step sizes: one compile whatever the batch
 def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, blocks_ptr, stride_blocks, positions_ptr,
                 out_ptr, k, DROP_NEG_INF: tl.constexpr, ENDS_BOUND_WALK: tl.constexpr, BLOCK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -166,7 +166,8 @@ def make_attention_inputs(problem: AttentionProblem, device="cpu", seed: int = 0
     t, h = problem.tokens, problem.heads
     kv_rows = max(4 * problem.topk, 2048)
     kv_cache = paged(ref.quantize_kv(_latent(kv_rows, gen), problem.kv_format))
-    indices = torch.rand(t, kv_rows, generator=gen).argsort(dim=1)[:, : problem.topk].int()
+    indices = torch.rand(t, kv_rows, generator=gen).argsort(dim=1)[:, : problem.topk].int().clone(
+        memory_format=torch.contiguous_format)  # row stride topk at T = 1 too, as an engine's buffers have it
     inputs = dict(q=torch.randn(t, h, LATENT, generator=gen).to(torch.bfloat16), kv_cache=kv_cache, indices=indices,
                   swa_cache=None, swa_indices=None, sink=None, scale=None, kv_format=problem.kv_format,
                   swa_format=problem.swa_format)

@@ -99,21 +99,22 @@ def _store_out(out_ptr, row, row_ok, column, acc, weight, d, INTERPRETED: tl.con
     tl.store(out_ptr + row[:, None] * D + column[None, :], out.to(tl.bfloat16), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "blocks_per_split", "splits"])  # per-step sizes: one compile whatever the batch
 def sparse_attention_kernel(
     q_ptr, stride_q_token, stride_q_head,
     kv_ptr, kv_page_stride, kv_block_size, kv_slots, indices_ptr, stride_indices, topk,
     swa_ptr, swa_page_stride, swa_block_size, swa_slots, swa_indices_ptr, stride_swa_indices, window,
     sink_ptr, scale, out_ptr, lse_ptr, acc_parts_ptr, max_parts_ptr, sum_parts_ptr,
-    tokens, kv_blocks, blocks, blocks_per_split,
+    tokens, kv_blocks, blocks, blocks_per_split, splits,
     H: tl.constexpr, KV_FORMAT: tl.constexpr, SWA_FORMAT: tl.constexpr, KV_WORDS: tl.constexpr,
     SWA_WORDS: tl.constexpr, HAS_SWA: tl.constexpr,
-    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Token program_id(0) // head groups, heads [BLOCK_H (program_id(0) % head groups), +BLOCK_H), key blocks
     [blocks_per_split program_id(1), +blocks_per_split) of its kv_blocks (kv_cache) then blocks - kv_blocks
-    (swa_cache): out and lse, or (SPLIT) the split's partials acc, max and sum [splits, tokens, H(, 512)]."""
+    (swa_cache): out and lse, or with splits > 1 the split's partials acc, max and sum [splits, tokens, H(, 512)]
+    (a run-time branch: one compile serves every split count)."""
     GROUPS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     token = (tl.program_id(0) // GROUPS).to(tl.int64)
     head = (tl.program_id(0) % GROUPS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -143,7 +144,7 @@ def sparse_attention_kernel(
                                       swa_indices_ptr + token * stride_swa_indices, window,
                                       (block - kv_blocks) * BLOCK_N, scale, SWA_FORMAT, SWA_WORDS, BLOCK_N,
                                       INTERPRETED)
-    if SPLIT:
+    if splits > 1:
         part = (split * tokens + token) * H + head
         for c in tl.static_range(D // BLOCK_D):
             tl.store(acc_parts_ptr + part[:, None] * D + c * BLOCK_D + column[None, :], acc[c],
@@ -161,7 +162,7 @@ def sparse_attention_kernel(
         tl.store(lse_ptr + row, _lse(m_all, total), mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # per-step sizes: one compile whatever the batch
 def combine_kernel(acc_parts_ptr, max_parts_ptr, sum_parts_ptr, sink_ptr, out_ptr, lse_ptr, tokens, splits,
                    H: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                    INTERPRETED: tl.constexpr):
@@ -223,7 +224,7 @@ def plan_attention(problem, inputs: dict, config: dict, out):
     block_h, block_n = config["block_h"], config["block_n"]
     plan = key_splits(problem, block_h, block_n, config["max_splits"])
     split = plan.splits > 1
-    parts = dict(acc_parts_ptr=None, max_parts_ptr=None, sum_parts_ptr=None)
+    parts = dict(acc_parts_ptr=out.lse, max_parts_ptr=out.lse, sum_parts_ptr=out.lse)  # unsplit: never written
     if split:
         parts = dict(acc_parts_ptr=torch.empty(plan.splits, t, h, LATENT, dtype=torch.float32, device=q.device),
                      max_parts_ptr=torch.empty(plan.splits, t, h, dtype=torch.float32, device=q.device),
@@ -238,10 +239,11 @@ def plan_attention(problem, inputs: dict, config: dict, out):
                   **_cache_args("swa", inputs["swa_cache"]), swa_indices_ptr=swa_indices,
                   stride_swa_indices=0 if swa_indices is None else swa_indices.stride(0), window=problem.window,
                   sink_ptr=inputs["sink"], scale=scale, out_ptr=out.out, lse_ptr=out.lse, **parts, tokens=t,
-                  kv_blocks=plan.kv_blocks, blocks=plan.blocks, blocks_per_split=plan.blocks_per_split, H=h,
+                  kv_blocks=plan.kv_blocks, blocks=plan.blocks, blocks_per_split=plan.blocks_per_split,
+                  splits=plan.splits, H=h,
                   KV_FORMAT=problem.kv_format, SWA_FORMAT=problem.swa_format,
                   KV_WORDS=_words(inputs["kv_cache"]), SWA_WORDS=_words(inputs["swa_cache"]), HAS_SWA=problem.swa,
-                  HAS_SINK=problem.sink, SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n,
+                  HAS_SINK=problem.sink, BLOCK_H=block_h, BLOCK_N=block_n,
                   BLOCK_D=config["block_d"], INTERPRETED=interpreted),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if not split:

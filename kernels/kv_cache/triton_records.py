@@ -148,7 +148,7 @@ def encode_records(x, FORMAT: tl.constexpr):
     return codes, tl.reshape(scale_bytes, (R, SCALES))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per-step sizes: one compile whatever the batch
 def quantize_kernel(latent_ptr, stride_latent, out_ptr, slots_ptr, rows, cache_slots, block_size, page_stride,
                     FORMAT: tl.constexpr, INSERT: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Records of latent rows [BLOCK_ROWS program_id(0), +BLOCK_ROWS): to out [rows, bytes], or with INSERT to cache
@@ -171,7 +171,7 @@ def quantize_kernel(latent_ptr, stride_latent, out_ptr, slots_ptr, rows, cache_s
     tl.store(base + scale[None, :], scale_bytes.to(tl.uint8), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per-step sizes: one compile whatever the batch
 def dequantize_kernel(records_ptr, stride_records, out_ptr, rows, FORMAT: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       WORDS: tl.constexpr):
     """fp32 values of records [BLOCK_ROWS program_id(0), +BLOCK_ROWS) into out [rows, 512]."""

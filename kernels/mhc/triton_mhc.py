@@ -93,7 +93,7 @@ def _dot_bf16_fp32(x, w, acc):
     return tl.dot(x, w - w_hi, acc, input_precision="tf32")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["matrices"])  # per-step sizes: one compile whatever the batch
 def mhc_sinkhorn_kernel(x_ptr, out_ptr, matrices, iters, eps,
                         N: tl.constexpr, NP: tl.constexpr, BLOCK_B: tl.constexpr):
     """Sinkhorn of matrices [BLOCK_B program, +BLOCK_B) of x [matrices, N, N]."""
@@ -106,7 +106,7 @@ def mhc_sinkhorn_kernel(x_ptr, out_ptr, matrices, iters, eps,
     tl.store(out_ptr + offset, m, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def mhc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, T, D,
                     N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """New residual streams of tokens [BLOCK_T program_id(0), +BLOCK_T), columns [BLOCK_D program_id(1), +BLOCK_D)."""
@@ -197,7 +197,7 @@ def _finish_layer_input(t, res_ptr, sq_parts_ptr, pre_ptr, norm_ptr, li_ptr, T, 
             tl.store(li_rows + d[None, :], round_to_bf16(li * inv[:, None] * g[None, :]).to(tl.bfloat16), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def mhc_pre_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr, tickets_ptr,
                    y_ptr, post_in_ptr, comb_in_ptr, new_res_ptr,  # HAS_POST: the post mapping feeding the GEMM
                    scale_ptr, base_ptr, pre_mix_ptr, norm_ptr, li_ptr, pre_ptr, post_ptr, comb_ptr,
@@ -276,7 +276,7 @@ def mhc_pre_kernel(res_ptr, fn_ptr, mix_parts_ptr, sq_parts_ptr, tickets_ptr,
                                         li_ptr, T, D, splits, norm_eps, N, NP, COLLAPSE, HAS_NORM, EPI_BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def mhc_epilogue_kernel(res_ptr, mix_parts_ptr, sq_parts_ptr, scale_ptr, base_ptr, norm_ptr, li_ptr, pre_ptr,
                         post_ptr, comb_ptr, T, D, splits, rms_eps, pre_eps, sinkhorn_eps, post_mult, iters,
                         norm_eps, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, COLLAPSE: tl.constexpr,

@@ -112,7 +112,7 @@ def _slots(BLOCK_T: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.c
     return slot_g, slot_j, (slot_g < G) & (slot_j < EG)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, scale,
                      G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
                      K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
@@ -166,7 +166,7 @@ def _slot_experts(slot, G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr)
     return (slot // EG_PAD) * EG + slot % EG_PAD, ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                           T, D, scale,
                           G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
@@ -187,7 +187,7 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
                 w_ptr, id_ptr, scale, EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                                 parts_ptr, tickets_ptr, T, D, split_d, splits, scale,
                                 G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
