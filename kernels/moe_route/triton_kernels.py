@@ -1,13 +1,16 @@
 """MoE routing in Triton: the whole routing in one launch, from logits or from hidden states.
 
-Tile plan: a program owns BLOCK_T token rows and the whole expert axis, laid out as slots
-[BLOCK_T, G_PAD, EG_PAD]; slot (g, j) holds expert g * EG + j, padding slots hold -inf keys.
-  1. s = score(logits), non-finite s -> 0; b = s + bias (NaN keys -> lowest finite)
-  2. groups: score = max or top-2 sum of b per group; keep the topk_group best (ties: lowest
-     group), mask the rest to -inf
-  3. top_k rounds: row max, lowest expert id at the max, gather s there, knock the slot out
+Tile plan: a program owns BLOCK_T token rows, a warp per row (BLOCK_T a multiple of the warps), and the expert axis
+in NC chunks of CW slots (CHUNK = 32: a lane an expert; grouped routing: a chunk is a group, CW its padded
+width), held as a tuple of [BLOCK_T, CW] tiles: 384 experts are 12 chunks, no padding to 512.
+Slots run in expert order: slot = expert (one group), else g * EG_PAD + j for expert g * EG + j.
+  1. s = score(logits), non-finite s -> 0; b = s + bias (NaN keys -> lowest finite), -inf on padding slots
+  2. groups: score = max or top-2 sum of b per group; keep the topk_group best (ties: lowest group)
+  3. top_k rounds: the chunks folded lane by lane (key, slot, score), then one warp reduction picks the largest
+     key, then the lowest slot holding it and its score; the slot is knocked out. Reductions stay within a
+     warp (shuffles).
   4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
-The fused-gate kernel first forms the logits tile with tl.dot over D in BLOCK_D steps
+The fused-gate kernels first form the logits chunks with tl.dot over D in BLOCK_D steps
 (RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does).
 """
 
@@ -25,6 +28,8 @@ from flashkern.kernels.tiles import SMS
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
+CHUNK = 32  # expert slots per chunk, a lane each (wider chunks take Triton's default layout: warps across the row)
+NO_SLOT = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -35,64 +40,111 @@ def _log1p(u):
 
 
 @triton.jit
-def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                EG: tl.constexpr, G: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Route a [BLOCK_T, G_PAD, EG_PAD] logits tile and store its weights and ids."""
-    expert = slot_g * EG + slot_j
+def _slot_experts(slot, G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr):
+    """The expert of each slot and whether the slot holds one (one group: slot = expert)."""
+    if G == 1:
+        return slot, slot < EG
+    if EG == EG_PAD:
+        return slot, slot < G * EG
+    return (slot // EG_PAD) * EG + slot % EG_PAD, ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
+
+
+@triton.jit
+def _chunk_slots(c: tl.constexpr, CW: tl.constexpr):
+    """The slots of chunk c, [1, CW]."""
+    return tl.arange(0, CW)[None, :] + c * CW  # the range first: the interpreter's constexpr + tensor is a constexpr
+
+
+@triton.jit
+def _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                  G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
+                  K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                  SCORE: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Route the logits chunks x (a tuple of NC [BLOCK_T, CW] tiles) and store the rows' weights and ids."""
+    BLOCK_T: tl.constexpr = x[0].shape[0]
     # 1. scores and selection keys
-    if SCORE == 0:  # sqrt(softplus(x)), softplus(x) = max(x, 0) + log1p(exp(-|x|))
-        s = tl.sqrt(tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x))))
-    elif SCORE == 1:
-        s = 1.0 / (1.0 + tl.exp(-x))
-    else:
-        row_max = tl.max(tl.max(tl.where(slot_ok, x, float("-inf")), axis=2), axis=1)
-        e = tl.where(slot_ok, tl.exp(x - row_max[:, None, None]), 0.0)
-        s = e / tl.sum(tl.sum(e, axis=2), axis=1)[:, None, None]
-    s = tl.where((s < float("inf")) & (s > float("-inf")), s, 0.0)  # NaN and +-inf scores -> 0 (vLLM)
-    b = s
-    if bias_ptr is not None:
-        b = s + tl.load(bias_ptr + expert, mask=slot_ok, other=0.0)
-    b = tl.where(b == b, tl.maximum(b, LOWEST), LOWEST)
-    b = tl.where(slot_ok, b, float("-inf"))
-    # 2. group limiting: keep the TOPK_GROUP groups with the largest max (or top-2 sum) of b
+    if SCORE == 2:  # softmax over the row's experts
+        row_max = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+        for c in tl.static_range(NC):
+            ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)[1]
+            row_max = tl.maximum(row_max, tl.max(tl.where(ok, x[c], float("-inf")), axis=1))
+        total = tl.zeros((BLOCK_T,), tl.float32)
+        for c in tl.static_range(NC):
+            ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)[1]
+            total += tl.sum(tl.where(ok, tl.exp(x[c] - row_max[:, None]), 0.0), axis=1)
+    s = ()
+    b = ()
+    for c in tl.static_range(NC):
+        expert, ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)
+        if SCORE == 0:  # sqrt(softplus(x)), softplus(x) = max(x, 0) + log1p(exp(-|x|))
+            s_c = tl.sqrt(tl.maximum(x[c], 0.0) + _log1p(tl.exp(-tl.abs(x[c]))))
+        elif SCORE == 1:
+            s_c = 1.0 / (1.0 + tl.exp(-x[c]))
+        else:
+            s_c = tl.exp(x[c] - row_max[:, None]) / total[:, None]
+        s_c = tl.where((s_c < float("inf")) & (s_c > float("-inf")), s_c, 0.0)  # NaN and +-inf scores -> 0 (vLLM)
+        b_c = s_c
+        if bias_ptr is not None:
+            b_c = s_c + tl.load(bias_ptr + expert, mask=ok, other=0.0)
+        b_c = tl.where(b_c == b_c, tl.maximum(b_c, LOWEST), LOWEST)
+        s = s + (s_c,)
+        b = b + (tl.where(ok, b_c, float("-inf")),)
+    # 2. group limiting (a chunk is a group): keep the TOPK_GROUP groups with the largest max (or top-2 sum) of b
     if G > 1:
-        gscore = tl.max(b, axis=2)
-        if GROUP_TOP2:
-            at1 = tl.argmax(b, axis=2, tie_break_left=True)
-            top2 = tl.max(tl.where(slot_j == at1[:, :, None], float("-inf"), b), axis=2)
-            gscore = tl.maximum(gscore + top2, LOWEST)
-        group = tl.arange(0, x.shape[1])[None, :]
-        gscore = tl.where(group < G, gscore, float("-inf"))
-        keep = group < 0
+        gscore = ()
+        kept = ()
+        for c in tl.static_range(NC):
+            g_c = tl.max(b[c], axis=1)
+            if GROUP_TOP2:
+                at1 = tl.argmax(b[c], axis=1, tie_break_left=True)
+                j = tl.arange(0, CW)[None, :]
+                g_c = tl.maximum(g_c + tl.max(tl.where(j == at1[:, None], float("-inf"), b[c]), axis=1), LOWEST)
+            gscore = gscore + (g_c,)
+            kept = kept + (tl.zeros((BLOCK_T,), tl.int1),)
         for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(gscore, axis=1, tie_break_left=True)
-            hit = group == best[:, None]
-            keep = keep | hit
-            gscore = tl.where(hit, float("-inf"), gscore)
-        b = tl.where(keep[:, :, None], b, float("-inf"))
-    # 3. top-k rounds over the flattened slots (slot order = expert order)
-    BLOCK_T: tl.constexpr = x.shape[0]
-    NP: tl.constexpr = x.shape[1] * x.shape[2]
-    b = tl.reshape(b, (BLOCK_T, NP))
-    s = tl.reshape(s, (BLOCK_T, NP))
-    expert = tl.reshape(expert, (1, NP))
-    slot = tl.arange(0, NP)[None, :]
+            best = gscore[0]
+            best_group = tl.zeros((BLOCK_T,), tl.int32)
+            for c in tl.static_range(1, NC):  # later groups take strictly larger scores: ties keep the lowest
+                take = gscore[c] > best
+                best = tl.where(take, gscore[c], best)
+                best_group = tl.where(take, c, best_group)
+            knocked = ()
+            keep = ()
+            for c in tl.static_range(NC):
+                knocked = knocked + (tl.where(best_group == c, float("-inf"), gscore[c]),)
+                keep = keep + (kept[c] | (best_group == c),)
+            gscore = knocked
+            kept = keep
+        limited = ()
+        for c in tl.static_range(NC):
+            limited = limited + (tl.where(kept[c][:, None], b[c], float("-inf")),)
+        b = limited
+    # 3. top-k rounds: fold the chunks lane by lane, then one warp reduction
     col = tl.arange(0, K_PAD)[None, :]
     weights = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     ids = tl.zeros((BLOCK_T, K_PAD), tl.int32)
     for r in tl.static_range(K):
-        pick = tl.argmax(b, axis=1, tie_break_left=True)
-        hit = slot == pick[:, None]
-        chosen_s = tl.sum(tl.where(hit, s, 0.0), axis=1)
-        chosen_e = tl.sum(tl.where(hit, expert, 0), axis=1)
+        key = b[0]
+        slot = tl.broadcast_to(_chunk_slots(0, CW), (BLOCK_T, CW))
+        score = s[0]
+        for c in tl.static_range(1, NC):  # a later chunk's slots are higher: it takes strictly larger keys
+            take = b[c] > key
+            key = tl.where(take, b[c], key)
+            slot = tl.where(take, _chunk_slots(c, CW), slot)
+            score = tl.where(take, s[c], score)
+        top = tl.max(key, axis=1)
+        pick = tl.min(tl.where(key == top[:, None], slot, NO_SLOT), axis=1)  # equal keys: the lowest slot
+        chosen_s = tl.sum(tl.where(slot == pick[:, None], score, 0.0), axis=1)
         weights = tl.where(col == r, chosen_s[:, None], weights)
-        ids = tl.where(col == r, chosen_e[:, None], ids)
-        b = tl.where(hit, float("-inf"), b)
+        ids = tl.where(col == r, _slot_experts(pick, G, EG, EG_PAD)[0][:, None], ids)
+        knocked = ()
+        for c in tl.static_range(NC):
+            knocked = knocked + (tl.where(_chunk_slots(c, CW) == pick[:, None], float("-inf"), b[c]),)
+        b = knocked
     # 4. renormalize (a zero sum divides by 1), scale, mask invalid rows, store
     if RENORMALIZE:
-        total = tl.sum(weights, axis=1)
-        weights = weights / tl.where(total > 0.0, total, 1.0)[:, None]
+        total_w = tl.sum(weights, axis=1)
+        weights = weights / tl.where(total_w > 0.0, total_w, 1.0)[:, None]
     weights = weights * scale
     if valid_ptr is not None:
         keep_row = tl.load(valid_ptr + row, mask=row_ok, other=0) != 0
@@ -104,27 +156,20 @@ def _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_
     tl.store(id_ptr + out, ids, mask=out_ok)
 
 
-@triton.jit
-def _slots(BLOCK_T: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr):
-    """Group and in-group index of every slot, [1, G_PAD, 1] and [1, 1, EG_PAD], and the slot mask."""
-    slot_g = tl.arange(0, G_PAD)[None, :, None]
-    slot_j = tl.arange(0, EG_PAD)[None, None, :]
-    return slot_g, slot_j, (slot_g < G) & (slot_j < EG)
-
-
 @triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, scale,
-                     G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
+                     G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
                      K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
                      SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
-    slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
-    r3 = row[:, None, None]
-    x = tl.load(logits_ptr + r3.to(tl.int64) * stride_t + slot_g * EG + slot_j,
-                mask=(r3 < T) & slot_ok, other=0.0)
-    _route_tile(x, row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+    rows = logits_ptr + row.to(tl.int64)[:, None] * stride_t
+    x = ()
+    for c in tl.static_range(NC):
+        expert, ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)
+        x = x + (tl.load(rows + expert, mask=row_ok[:, None] & ok, other=0.0),)
+    _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                  G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 NORM_BLOCK = tl.constexpr(512)  # columns per step of the sum of squares: 32 values a thread for 16 rows on 8 warps
@@ -142,9 +187,18 @@ def _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, d_lo, d_hi, D,
-                 BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """acc [BLOCK_T, slots] += (the normed h) @ W^T over columns [d_lo, d_hi) of D, BLOCK_D at a time."""
+def _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, first_slot, d_lo, d_hi, D,
+                 G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):
+    """acc (NC [BLOCK_T, N] tiles: slots first_slot + [c N, (c + 1) N)) += (the normed h) @ W^T over columns
+    [d_lo, d_hi) of D, BLOCK_D at a time: the h tile is loaded and normed once for every chunk."""
+    N: tl.constexpr = acc[0].shape[1]
+    w_rows = ()
+    w_ok = ()
+    for c in tl.static_range(NC):
+        expert, ok = _slot_experts(tl.arange(0, N) + (first_slot + c * N), G, EG, EG_PAD)
+        w_rows = w_rows + (gate_ptr + expert.to(tl.int64)[:, None] * D,)
+        w_ok = w_ok + (ok[:, None],)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)[None, :]
         d_ok = (d < d_hi) & (d < D)
@@ -152,46 +206,50 @@ def _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_o
         if norm_ptr is not None:  # RMS-normalized and rounded to bf16, as the reference does
             g = tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
             h = round_to_bf16(h.to(tl.float32) * inv_rms[:, None] * g).to(tl.bfloat16)
-        w = tl.load(gate_ptr + w_expert.to(tl.int64)[:, None] * D + d, mask=w_ok[:, None] & d_ok, other=0.0)
-        if UPCAST_DOT:  # the interpreter cannot multiply bf16; fp32 products of bf16 values are exact
-            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w), acc)
+        summed = ()
+        for c in tl.static_range(NC):
+            w = tl.load(w_rows[c] + d, mask=w_ok[c] & d_ok, other=0.0)
+            if UPCAST_DOT:  # the interpreter cannot multiply bf16; fp32 products of bf16 values are exact
+                summed = summed + (tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc[c],
+                                          input_precision="ieee"),)
+            else:
+                summed = summed + (tl.dot(h, tl.trans(w), acc[c]),)
+        acc = summed
     return acc
 
 
 @triton.jit
-def _slot_experts(slot, G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr):
-    """The expert of each flat slot (g * EG_PAD + j) and whether the slot holds one."""
-    return (slot // EG_PAD) * EG + slot % EG_PAD, ((slot // EG_PAD) < G) & ((slot % EG_PAD) < EG)
+def _zero_chunks(NC: tl.constexpr, BLOCK_T: tl.constexpr, CW: tl.constexpr):
+    acc = ()
+    for c in tl.static_range(NC):
+        acc = acc + (tl.zeros((BLOCK_T, CW), tl.float32),)
+    return acc
 
 
 @triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                           T, D, scale,
-                          G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
-                          K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
-                          SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                          UPCAST_DOT: tl.constexpr):
+                          G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr,
+                          CW: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                          GROUP_TOP2: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr):
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
     h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
-    w_expert, w_ok = _slot_experts(tl.arange(0, G_PAD * EG_PAD), G, EG, EG_PAD)
     inv_rms = None
     if norm_ptr is not None:
         inv_rms = _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T)
-    acc = tl.zeros((BLOCK_T, G_PAD * EG_PAD), tl.float32)
-    acc = _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, 0, D, D, BLOCK_D, UPCAST_DOT)
-    slot_g, slot_j, slot_ok = _slots(BLOCK_T, G, G_PAD, EG, EG_PAD)
-    _route_tile(tl.reshape(acc, (BLOCK_T, G_PAD, EG_PAD)), row, row_ok, slot_g, slot_j, slot_ok, bias_ptr, valid_ptr,
-                w_ptr, id_ptr, scale, EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+    acc = _gate_logits(_zero_chunks(NC, BLOCK_T, CW), h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, 0, 0, D, D,
+                       G, EG, EG_PAD, NC, BLOCK_D, UPCAST_DOT)
+    _route_chunks(acc, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                  G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 @triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                                 parts_ptr, tickets_ptr, T, D, split_d, splits, scale,
-                                G: tl.constexpr, G_PAD: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr,
-                                K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                                G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr,
+                                CW: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                                 GROUP_TOP2: tl.constexpr, SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                                 EPI_T: tl.constexpr, UPCAST_DOT: tl.constexpr):
@@ -199,7 +257,7 @@ def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, b
     tile `tile`, expert slots [e BLOCK_E, +BLOCK_E) over D columns [s split_d, +split_d) into parts[s]; the tile's
     last program to finish (a ticket) sums the splits in order (deterministic) and routes the tile's tokens, EPI_T
     at a time."""
-    NP: tl.constexpr = G_PAD * EG_PAD
+    NP: tl.constexpr = NC * CW
     E_TILES: tl.constexpr = NP // BLOCK_E
     group = splits * E_TILES
     tile = tl.program_id(0) // group
@@ -207,35 +265,48 @@ def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, b
     row = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
     h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
-    slot = tl.program_id(0) % E_TILES * BLOCK_E + tl.arange(0, BLOCK_E)
-    w_expert, w_ok = _slot_experts(slot, G, EG, EG_PAD)
+    first = tl.program_id(0) % E_TILES * BLOCK_E
     inv_rms = None
     if norm_ptr is not None:
         inv_rms = _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T)
-    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    acc = _gate_logits(acc, h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, w_expert, w_ok, split * split_d,
-                       split * split_d + split_d, D, BLOCK_D, UPCAST_DOT)
+    acc = _gate_logits(_zero_chunks(1, BLOCK_T, BLOCK_E), h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, first,
+                       split * split_d, split * split_d + split_d, D, G, EG, EG_PAD, 1, BLOCK_D, UPCAST_DOT)[0]
+    slot = first + tl.arange(0, BLOCK_E)
     tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * NP + slot[None, :], acc, mask=row_ok[:, None])
     # the tile's programs count in: the last to arrive sees every partial (a CTA barrier, one acq_rel atomic)
     tl.debug_barrier()
     if tl.atomic_add(tickets_ptr + tile, 1) == group - 1:
-        slot_g, slot_j, slot_ok = _slots(EPI_T, G, G_PAD, EG, EG_PAD)
         for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_T):  # the tile's tokens, EPI_T at a time
             epi_row = tile * BLOCK_T + sub + tl.arange(0, EPI_T)
             epi_ok = epi_row < T
-            logits = tl.zeros((EPI_T, NP), tl.float32)
+            logits = _zero_chunks(NC, EPI_T, CW)
             for s in range(splits):
-                logits += tl.load(parts_ptr + (s * T + epi_row.to(tl.int64))[:, None] * NP + tl.arange(0, NP)[None, :],
-                                  mask=epi_ok[:, None], other=0.0)
-            _route_tile(tl.reshape(logits, (EPI_T, G_PAD, EG_PAD)), epi_row, epi_ok, slot_g, slot_j, slot_ok,
-                        bias_ptr, valid_ptr, w_ptr, id_ptr, scale, EG, G, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE,
-                        RENORMALIZE)
+                part = parts_ptr + (s * T + epi_row.to(tl.int64))[:, None] * NP
+                summed = ()
+                for c in tl.static_range(NC):  # one address a split; the chunks at constant offsets
+                    summed = summed + (logits[c] + tl.load(part + _chunk_slots(c, CW), mask=epi_ok[:, None],
+                                                           other=0.0),)
+                logits = summed
+            _route_chunks(logits, epi_row, epi_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                          G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+
+
+def chunking(routing) -> tuple[int, int]:
+    """(CW, NC): slots per chunk and chunks in the kernels' slot order (one group: the experts, no padding)."""
+    if routing.n_group == 1:
+        return CHUNK, -(-routing.experts // CHUNK)
+    return slot_layout(routing).group_width, routing.n_group  # a chunk is a group
+
+
+def _slots(problem) -> int:
+    width, chunks = chunking(problem.routing)
+    return width * chunks
 
 
 def _routing_constexprs(problem) -> dict:
     r = problem.routing
-    layout = slot_layout(r)
-    return dict(G=r.n_group, G_PAD=layout.groups, EG=r.experts // r.n_group, EG_PAD=layout.group_width,
+    width, chunks = chunking(r)
+    return dict(G=r.n_group, EG=r.experts // r.n_group, EG_PAD=slot_layout(r).group_width, NC=chunks, CW=width,
                 K=r.top_k, K_PAD=triton.next_power_of_2(r.top_k), TOPK_GROUP=r.topk_group,
                 GROUP_TOP2=problem.group_form == "top2",
                 SCORE=SCORE_CODES[r.score], RENORMALIZE=r.renormalize)
@@ -277,8 +348,8 @@ def plan_route_gate(problem, inputs, config, out):
     if splits == 1:
         return Launch(moe_route_gate_kernel, grid=(tiles,), args=args, num_warps=config["num_warps"],
                       num_stages=config["num_stages"])
-    group = splits * slot_layout(problem.routing).slots // config["block_e"]
-    parts = torch.empty((splits, problem.tokens, slot_layout(problem.routing).slots), dtype=torch.float32,
+    group = splits * _slots(problem) // config["block_e"]
+    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32,
                         device=hidden.device)
     tickets = torch.zeros(tiles, dtype=torch.int32, device=hidden.device)
     return Launch(moe_route_gate_split_kernel, grid=(tiles * group,), cooperating=group,
@@ -293,32 +364,32 @@ def plan_route_gate(problem, inputs, config, out):
 # registers on its way to the dot: more than 64 bf16 values per thread spill (512 x 64 on
 # 8 warps: 96 B; 256 x 128 on 4 warps: 4 KB). 16 warps cap ptxas at 128 registers and spill too.
 def _route_values_per_thread(problem, config) -> int:
-    return config["block_t"] * slot_layout(problem.routing).slots // (32 * config["num_warps"])
+    return config["block_t"] * _slots(problem) // (32 * config["num_warps"])
 
 
 def _w_tile_values_per_thread(problem, config) -> int:
-    return slot_layout(problem.routing).slots * config["block_d"] // (32 * config["num_warps"])
+    return _slots(problem) * config["block_d"] // (32 * config["num_warps"])
 
 
 ROUTE_SPACE = Space(
     params={"block_t": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
     gpu_only=("num_warps",),
+    constraints={"block_t >= num_warps (a warp per row or more)": lambda p, c: c["block_t"] >= c["num_warps"]},
     limits={"block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32},
 )
 
 
 def route_default(problem) -> dict:
-    """A warp per 128 slots (4 for 384 experts); rows per program grow with the token count, up to 8.
+    """A warp per token row on 4 warps; two rows a warp from 4096 tokens (fewer, fuller programs).
 
     Under the interpreter every tl op costs about the same whatever its size: programs take 32 rows.
     """
-    warps = max(1, min(8, slot_layout(problem.routing).slots // 128))
     if flashkern.triton_interpreted():
         return {"block_t": 32, "num_warps": 8}
-    block_t = max(1, min(8, triton.next_power_of_2(max(1, problem.tokens // 1024))))
-    while block_t > 1 and _route_values_per_thread(problem, {"block_t": block_t, "num_warps": warps}) > 32:
+    block_t = 8 if problem.tokens >= 4096 else 4
+    while block_t > 4 and _route_values_per_thread(problem, {"block_t": block_t, "num_warps": 4}) > 32:
         block_t //= 2
-    return {"block_t": block_t, "num_warps": warps}
+    return {"block_t": block_t, "num_warps": 4}
 
 
 def _split_w_tile_values_per_thread(problem, config) -> int:
@@ -329,7 +400,7 @@ GATE_SPACE = Space(
     params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3),
             "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128), "epi_t": (1, 4, 16)},
     gpu_only=("num_warps", "num_stages"),
-    constraints={"block_e <= slots": lambda p, c: c["block_e"] <= slot_layout(p.routing).slots,
+    constraints={"block_e <= slots": lambda p, c: c["block_e"] <= _slots(p),
                  "epi_t <= block_t": lambda p, c: c["epi_t"] <= c["block_t"]},
     limits={
         "block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32,
@@ -338,7 +409,7 @@ GATE_SPACE = Space(
         "split: block_e x block_d / threads <= 64 (registers: the W tile)":
             lambda p, c: c["splits"] == 1 or _split_w_tile_values_per_thread(p, c) <= 64,
         "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)":
-            lambda p, c: c["num_stages"] * 2 * c["block_d"] * (slot_layout(p.routing).slots + c["block_t"]) <= 200 * 1024,
+            lambda p, c: c["num_stages"] * 2 * c["block_d"] * (_slots(p) + c["block_t"]) <= 200 * 1024,
     },
 )
 
@@ -357,7 +428,7 @@ def gate_default(problem) -> dict:
     if flashkern.triton_interpreted():
         return {"block_t": 16, "block_d": 128, "num_warps": 8, "num_stages": 1, "splits": 1, "block_e": 64,
                 "epi_t": 16}
-    slots = slot_layout(problem.routing).slots
+    slots = _slots(problem)
     tiles = -(-problem.tokens // 16)
     if tiles <= SPLIT_GATE_TILES:
         block_e = min(64, slots)
@@ -365,6 +436,6 @@ def gate_default(problem) -> dict:
         epi_t = 1 if problem.tokens == 1 else 16  # a lone token routed alone (model: 17.9 -> 6.5 us)
         return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2, "splits": splits, "block_e": block_e,
                 "epi_t": epi_t}  # (three stages spill 12 B with V3's groups at epi_t 1: ptxas, sm_90a)
-    block_d = max(32, min(128, 64 * 256 // slots))
+    block_d = max(32, min(128, 1 << (64 * 256 // slots).bit_length() - 1))  # a power of 2
     return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3, "splits": 1, "block_e": 64,
             "epi_t": 16}
