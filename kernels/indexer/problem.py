@@ -80,7 +80,7 @@ class TopkProblem(SizedProblem):
     SIZES: ClassVar = ("rows", "positions")
 
 
-SPLIT_CTAS = 132  # CTAs a split selection's passes aim for
+SPLIT_CTAS = SMS  # CTAs a split selection's passes aim for: one an SM
 
 
 def split_chunk(rows: int, width: int, max_chunks: int, tile: int) -> int:

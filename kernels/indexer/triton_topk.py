@@ -544,7 +544,7 @@ SPLIT_FROM = 32768  # positions per row from which the GPU default splits rows (
 
 def topk_default(problem) -> dict:
     """A row per program on 8 warps in tiles of up to 4096 (16 values per thread); rows of SPLIT_FROM positions
-    or more split over up to 64 CTAs each (split_chunk: about 2 CTAs per SM in all).
+    or more split over up to 64 CTAs each (split_chunk: about one CTA an SM in all).
 
     Under the interpreter every tl op costs about the same whatever its size: a row in as few tiles
     as allowed, as many rows per program as fit INTERPRETED_TILE elements, and no split (the split's
