@@ -12,6 +12,7 @@ and stores along a row vectorize, and it bounds their builds to three (1, divisi
 import collections
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -109,8 +110,6 @@ _scale_rows_any_batch = triton.jit(_scale_rows.fn, do_not_specialize=["rows"])
 def test_the_build_count_sees_the_jits_integer_specialization(kernel, expected):
     """The count can fail: a batch argument left to the JIT's specialization makes three builds (1, divisible by
     16, other) across batches; marked do_not_specialize, one."""
-    import torch
-
     x = torch.zeros(512)
     keys = {compile_key(Launch(kernel, grid=(1,), args=dict(x_ptr=x, rows=n, BLOCK=512))) for n in range(1, 301)}
     assert len(keys) == expected
