@@ -22,7 +22,7 @@ from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
 from flashkern.kernels.moe_route.cases import NONFINITE, gate_cases, route_cases
-from flashkern.kernels.moe_route.triton_kernels import gate_splits
+from flashkern.kernels.moe_route.triton_kernels import GEMM_TILE_T, gate_splits
 from flashkern.reference import moe_route as ref
 
 MOE_ROUTE = registry.get("moe_route")
@@ -258,6 +258,27 @@ def test_split_gate_in_the_gpus_default_config(routing):
         first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", config)
         second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=config)
         assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))
+def test_prefill_gate_in_the_gpus_default_config(routing):
+    """The GPU's default at prefill runs the Triton gate as three launches (1 / rms per token, a GEMM into fp32 partial
+    logits split over D and expert blocks, the routing of their summed partials), where the interpreter's default
+    keeps one: 65 tokens with the RMSNorm, 200 without; the default (64-row tiles, D split at 65 tokens) and its
+    128-row tiles (from 1024 tokens) unsplit, against the oracle and bitwise the same when run again."""
+    impl = MOE_ROUTE_GATE.implementation("triton")
+    for tokens, norm in ((65, True), (200, False)):
+        problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024,
+                               has_norm=norm)
+        inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
+        with flashkern.planning_for_gpu():
+            config = impl.default_config(MOE_ROUTE_GATE.check(dict(inputs)))
+        assert config["separate_route"] and config["block_t"] == GEMM_TILE_T // 2, config
+        for variant in (config, dict(config, block_t=GEMM_TILE_T, num_warps=8, splits=1)):
+            first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", variant)
+            second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=variant)
+            assert torch.equal(first[1], second[1])
+            assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
 # ---------------------------------------------------------------- the oracle catches wrong answers

@@ -185,13 +185,19 @@ class TritonKernel:
         return None
 
 
+INTERPRETED = tl.constexpr(flashkern.triton_interpreted())  # per process: the AOT build's worker compiles for a GPU
+
+
 @triton.jit
 def round_to_bf16(x):
-    """fp32 x rounded to the nearest bf16 (ties to even), returned as fp32; NaN stays NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return tl.where(x == x, rounded, x)
+    """fp32 x rounded to the nearest bf16 (ties to even), returned as fp32; NaN stays NaN. On a GPU the hardware
+    conversion (cvt.rn.bf16x2: half an instruction a value); under the interpreter, whose cast truncates, bit math."""
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(x == x, rounded, x)
+    return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
 
 
 # The traffic counters use this module's records; imported here, not on first use, so that what a kernel's source

@@ -11,7 +11,10 @@ Slots run in expert order: slot = expert (one group), else g * EG_PAD + j for ex
      warp (shuffles).
   4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 The fused-gate kernels first form the logits chunks with tl.dot over D in BLOCK_D steps
-(RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does).
+(RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does). At prefill the gate is
+three launches instead (inv_rms_kernel, gate_gemm_kernel into fp32 partials, route_parts_kernel): a GEMM tile of 64
+or 128 token rows is the M side of wgmma, and the routing is spread over every SM rather than run by one program
+per tile.
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ NO_SLOT = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _log1p(u):
-    """log(1 + u), accurate for tiny u (Goldberg's correction; no log1p under the interpreter)."""
-    v = 1.0 + u
-    return tl.where(v == 1.0, u, tl.log(v) * u / (v - 1.0))
+def _log1p_unit(u):
+    """log(1 + u) for u in [0, 1] as u + u^2 P(u), P a degree-7 Chebyshev fit: within 4 ulp, 9 FMAs (no log, no
+    division; libdevice's logf and Goldberg's correction took about 45 instructions)."""
+    p = 0.005253458 * u - 0.029588507
+    p = p * u + 0.07836167
+    p = p * u - 0.1367477
+    p = p * u + 0.1911143
+    p = p * u - 0.2484437
+    p = p * u + 0.3331927
+    p = p * u - 0.49999502
+    return u + u * u * p
 
 
 @triton.jit
@@ -77,7 +87,7 @@ def _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
     for c in tl.static_range(NC):
         expert, ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)
         if SCORE == 0:  # sqrt(softplus(x)), softplus(x) = max(x, 0) + log1p(exp(-|x|))
-            s_c = tl.sqrt(tl.maximum(x[c], 0.0) + _log1p(tl.exp(-tl.abs(x[c]))))
+            s_c = tl.sqrt(tl.maximum(x[c], 0.0) + _log1p_unit(tl.exp(-tl.abs(x[c]))))
         elif SCORE == 1:
             s_c = 1.0 / (1.0 + tl.exp(-x[c]))
         else:
@@ -176,11 +186,11 @@ NORM_BLOCK = tl.constexpr(512)  # columns per step of the sum of squares: 32 val
 
 
 @triton.jit
-def _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T: tl.constexpr):
+def _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr = NORM_BLOCK):
     """1 / rms of each token row of h over all D, [BLOCK_T]."""
     ssq = tl.zeros((BLOCK_T,), tl.float32)
-    for d0 in range(0, D, NORM_BLOCK):
-        d = d0 + tl.arange(0, NORM_BLOCK)[None, :]
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)[None, :]
         h = tl.load(h_rows + d, mask=row_ok[:, None] & (d < D), other=0.0).to(tl.float32)
         ssq += tl.sum(h * h, axis=1)
     return 1.0 / tl.sqrt(ssq / D + norm_eps)
@@ -245,6 +255,32 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
                   G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
+@triton.jit
+def _gate_part(h_rows, row, row_ok, gate_ptr, norm_ptr, inv_rms, parts_ptr, split, split_d, T, D,
+               G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NP: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """parts[split, row, slots first..first + BLOCK_E) = the fp32 partial logits over D columns [split split_d,
+    +split_d), for expert block `tl.program_id(0) % (NP // BLOCK_E)` (blocks fastest in the grid)."""
+    first = tl.program_id(0) % (NP // BLOCK_E) * BLOCK_E
+    acc = _gate_logits(_zero_chunks(1, row.shape[0], BLOCK_E), h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, first,
+                       split * split_d, split * split_d + split_d, D, G, EG, EG_PAD, 1, BLOCK_D, UPCAST_DOT)[0]
+    slot = first + tl.arange(0, BLOCK_E)
+    tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * NP + slot[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _summed_parts(parts_ptr, row, row_ok, T, splits, NC: tl.constexpr, CW: tl.constexpr):
+    """The logits chunks of `row`: the splits' partials summed in split order (deterministic)."""
+    logits = _zero_chunks(NC, row.shape[0], CW)
+    for s in range(splits):
+        part = parts_ptr + (s * T + row.to(tl.int64))[:, None] * (NC * CW)
+        summed = ()
+        for c in tl.static_range(NC):  # one address a split; the chunks at constant offsets
+            summed = summed + (logits[c] + tl.load(part + _chunk_slots(c, CW), mask=row_ok[:, None], other=0.0),)
+        logits = summed
+    return logits
+
+
 @triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
 def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_ptr, valid_ptr, w_ptr, id_ptr,
                                 parts_ptr, tickets_ptr, T, D, split_d, splits, scale,
@@ -257,38 +293,66 @@ def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, b
     tile `tile`, expert slots [e BLOCK_E, +BLOCK_E) over D columns [s split_d, +split_d) into parts[s]; the tile's
     last program to finish (a ticket) sums the splits in order (deterministic) and routes the tile's tokens, EPI_T
     at a time."""
-    NP: tl.constexpr = NC * CW
-    E_TILES: tl.constexpr = NP // BLOCK_E
-    group = splits * E_TILES
+    group = splits * (NC * CW // BLOCK_E)
     tile = tl.program_id(0) // group
-    split = tl.program_id(0) % group // E_TILES
     row = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
     h_rows = h_ptr + row.to(tl.int64)[:, None] * stride_t
-    first = tl.program_id(0) % E_TILES * BLOCK_E
     inv_rms = None
     if norm_ptr is not None:
         inv_rms = _inv_rms(h_rows, row_ok, D, norm_eps, BLOCK_T)
-    acc = _gate_logits(_zero_chunks(1, BLOCK_T, BLOCK_E), h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, first,
-                       split * split_d, split * split_d + split_d, D, G, EG, EG_PAD, 1, BLOCK_D, UPCAST_DOT)[0]
-    slot = first + tl.arange(0, BLOCK_E)
-    tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * NP + slot[None, :], acc, mask=row_ok[:, None])
+    _gate_part(h_rows, row, row_ok, gate_ptr, norm_ptr, inv_rms, parts_ptr, tl.program_id(0) % group // (
+        NC * CW // BLOCK_E), split_d, T, D, G, EG, EG_PAD, NC * CW, BLOCK_E, BLOCK_D, UPCAST_DOT)
     # the tile's programs count in: the last to arrive sees every partial (a CTA barrier, one acq_rel atomic)
     tl.debug_barrier()
     if tl.atomic_add(tickets_ptr + tile, 1) == group - 1:
         for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_T):  # the tile's tokens, EPI_T at a time
             epi_row = tile * BLOCK_T + sub + tl.arange(0, EPI_T)
             epi_ok = epi_row < T
-            logits = _zero_chunks(NC, EPI_T, CW)
-            for s in range(splits):
-                part = parts_ptr + (s * T + epi_row.to(tl.int64))[:, None] * NP
-                summed = ()
-                for c in tl.static_range(NC):  # one address a split; the chunks at constant offsets
-                    summed = summed + (logits[c] + tl.load(part + _chunk_slots(c, CW), mask=epi_ok[:, None],
-                                                           other=0.0),)
-                logits = summed
-            _route_chunks(logits, epi_row, epi_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+            _route_chunks(_summed_parts(parts_ptr, epi_row, epi_ok, T, splits, NC, CW), epi_row, epi_ok,
+                          bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
                           G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+
+
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
+def inv_rms_kernel(h_ptr, stride_t, inv_rms_ptr, T, D, norm_eps, BLOCK_D: tl.constexpr):
+    """inv_rms[t] = 1 / sqrt(mean_d h[t, d]^2 + eps): the prefill gate's first launch (h read once for the norm), a
+    program per row, its loads all in flight at once (BLOCK_D up to 8192 columns)."""
+    row = tl.program_id(0) + tl.arange(0, 1)
+    row_ok = row < T
+    inv_rms = _inv_rms(h_ptr + row.to(tl.int64)[:, None] * stride_t, row_ok, D, norm_eps, 1, BLOCK_D)
+    tl.store(inv_rms_ptr + row, inv_rms, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
+def gate_gemm_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, inv_rms_ptr, parts_ptr, T, D, split_d, splits,
+                     G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NP: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """The prefill gate's GEMM: program (tile, s, e), e fastest, writes parts[s] for a [BLOCK_T, BLOCK_E] tile of
+    token rows and expert slots over D columns [s split_d, +split_d): BLOCK_T = 64 rows are the M side of wgmma,
+    the K loop software-pipelined (W straight from its load into the dot)."""
+    group = splits * (NP // BLOCK_E)
+    row = tl.program_id(0) // group * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < T
+    inv_rms = None
+    if norm_ptr is not None:
+        inv_rms = tl.load(inv_rms_ptr + row, mask=row_ok, other=0.0)
+    _gate_part(h_ptr + row.to(tl.int64)[:, None] * stride_t, row, row_ok, gate_ptr, norm_ptr, inv_rms, parts_ptr,
+               tl.program_id(0) % group // (NP // BLOCK_E), split_d, T, D, G, EG, EG_PAD, NP, BLOCK_E, BLOCK_D,
+               UPCAST_DOT)
+
+
+@triton.jit(do_not_specialize=["T", "splits"])  # per-step sizes: one compile whatever the batch
+def route_parts_kernel(parts_ptr, bias_ptr, valid_ptr, w_ptr, id_ptr, T, splits, scale,
+                       G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
+                       K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
+                       SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The prefill gate's last launch: the splits' partial logits summed in order, then routed (a warp per row)."""
+    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = row < T
+    _route_chunks(_summed_parts(parts_ptr, row, row_ok, T, splits, NC, CW), row, row_ok,
+                  bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+                  G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 def chunking(routing) -> tuple[int, int]:
@@ -338,24 +402,50 @@ def gate_splits(problem, config) -> tuple[int, int]:
 
 
 def plan_route_gate(problem, inputs, config, out):
+    """One launch (a program per token tile; or split over D and experts, the last program of a tile routing it),
+    or with config["separate_route"] three: 1 / rms per token (with a norm), the GEMM into fp32 partial logits,
+    the routing of their sums."""
     hidden = inputs["hidden"]
-    args = dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
-                norm_ptr=inputs["norm_weight"], norm_eps=float(inputs["norm_eps"]), D=problem.hidden,
-                BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted(),
-                **_routing_args(problem, inputs, config, out))
+    gemm = dict(h_ptr=hidden, stride_t=hidden.stride(0), gate_ptr=inputs["gate_weight"],
+                norm_ptr=inputs["norm_weight"], D=problem.hidden, T=problem.tokens, BLOCK_T=config["block_t"],
+                BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted())
+    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     tiles = triton.cdiv(problem.tokens, config["block_t"])
     splits, split_d = gate_splits(problem, config)
+    if config["separate_route"]:
+        return _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, splits, split_d)
+    args = dict(gemm, norm_eps=float(inputs["norm_eps"]), **_routing_args(problem, inputs, config, out))
     if splits == 1:
-        return Launch(moe_route_gate_kernel, grid=(tiles,), args=args, num_warps=config["num_warps"],
-                      num_stages=config["num_stages"])
+        return Launch(moe_route_gate_kernel, grid=(tiles,), args=args, **options)
     group = splits * _slots(problem) // config["block_e"]
-    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32,
-                        device=hidden.device)
+    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32, device=hidden.device)
     tickets = torch.zeros(tiles, dtype=torch.int32, device=hidden.device)
     return Launch(moe_route_gate_split_kernel, grid=(tiles * group,), cooperating=group,
                   args=dict(args, parts_ptr=parts, tickets_ptr=tickets, split_d=split_d, splits=splits,
-                            BLOCK_E=config["block_e"], EPI_T=config["epi_t"]),
-                  num_warps=config["num_warps"], num_stages=config["num_stages"])
+                            BLOCK_E=config["block_e"], EPI_T=config["epi_t"]), **options)
+
+
+def _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, splits, split_d):
+    hidden = inputs["hidden"]
+    launches = ()
+    inv_rms = None
+    if inputs["norm_weight"] is not None:
+        inv_rms = torch.empty(problem.tokens, dtype=torch.float32, device=hidden.device)
+        launches += (Launch(inv_rms_kernel, grid=(problem.tokens,),
+                            args=dict(h_ptr=hidden, stride_t=hidden.stride(0), inv_rms_ptr=inv_rms, T=problem.tokens,
+                                      D=problem.hidden, norm_eps=float(inputs["norm_eps"]),
+                                      BLOCK_D=min(8192, triton.next_power_of_2(problem.hidden)))),)
+    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32, device=hidden.device)
+    r = _routing_constexprs(problem)
+    blocks = _slots(problem) // config["block_e"]
+    launches += (Launch(gate_gemm_kernel, grid=(tiles * splits * blocks,),
+                        args=dict(gemm, inv_rms_ptr=inv_rms, parts_ptr=parts, split_d=split_d, splits=splits,
+                                  G=r["G"], EG=r["EG"], EG_PAD=r["EG_PAD"], NP=_slots(problem),
+                                  BLOCK_E=config["block_e"]), **options),)
+    route = route_default(problem)  # moe_route's own rows and warps for these tokens
+    routing = dict(_routing_args(problem, inputs, config, out), BLOCK_T=route["block_t"])
+    return launches + (Launch(route_parts_kernel, grid=(triton.cdiv(problem.tokens, route["block_t"]),),
+                              args=dict(routing, parts_ptr=parts, splits=splits), num_warps=route["num_warps"]),)
 
 
 # Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep
@@ -396,46 +486,75 @@ def _split_w_tile_values_per_thread(problem, config) -> int:
     return config["block_e"] * config["block_d"] // (32 * config["num_warps"])
 
 
+def _fused(rule):
+    """A limit that binds only the one-launch forms (the separate routing launch has its own rows)."""
+    return lambda p, c: c["separate_route"] or rule(p, c)
+
+
 GATE_SPACE = Space(
-    params={"block_t": (16, 32, 64), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3),
-            "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128), "epi_t": (1, 4, 16)},
+    params={"block_t": (16, 32, 64, 128), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
+            "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128, 256), "epi_t": (1, 4, 16),
+            "separate_route": (False, True)},
     gpu_only=("num_warps", "num_stages"),
-    constraints={"block_e <= slots": lambda p, c: c["block_e"] <= _slots(p),
+    constraints={"block_e divides the slots": lambda p, c: _slots(p) % c["block_e"] == 0,
                  "epi_t <= block_t": lambda p, c: c["epi_t"] <= c["block_t"]},
     limits={
-        "block_t x slots / threads <= 32 (registers)": lambda p, c: _route_values_per_thread(p, c) <= 32,
+        "block_t x slots / threads <= 32 (registers)": _fused(lambda p, c: _route_values_per_thread(p, c) <= 32),
         "slots x block_d / threads <= 64 (registers: the W tile)":
-            lambda p, c: c["splits"] > 1 or _w_tile_values_per_thread(p, c) <= 64,
+            lambda p, c: c["splits"] > 1 or c["separate_route"] or _w_tile_values_per_thread(p, c) <= 64,
         "split: block_e x block_d / threads <= 64 (registers: the W tile)":
-            lambda p, c: c["splits"] == 1 or _split_w_tile_values_per_thread(p, c) <= 64,
+            lambda p, c: (c["splits"] == 1 and not c["separate_route"])
+            or _split_w_tile_values_per_thread(p, c) <= 64,
+        "separate route: block_t x block_e / threads <= 128 (registers: the accumulator)":
+            lambda p, c: not c["separate_route"] or c["block_t"] * c["block_e"] <= 128 * 32 * c["num_warps"],
         "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)":
             lambda p, c: c["num_stages"] * 2 * c["block_d"] * (_slots(p) + c["block_t"]) <= 200 * 1024,
     },
 )
 
-SPLIT_GATE_TILES = 4  # token tiles up to which the GPU default splits D (decode): each tile re-reads W
+SPLIT_GATE_TILES = 4  # 16-row token tiles up to which the GPU default splits D in one launch (decode)
+GEMM_TILE_T = 128  # prefill: token rows a GEMM program, the M side of two warpgroups' wgmma (64 below 1024 tokens)
+
+
+def _expert_block(slots: int, cap: int) -> int:
+    """The largest power of 2 up to cap that divides the slots: expert blocks tile them exactly."""
+    block = 1
+    while block * 2 <= cap and slots % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def _power_of_2_splits(programs: int, round_up: bool = True) -> int:
+    """D splits that bring `programs` to about one a SM: SMS / programs rounded up (the decode GEMV: its W stream
+    wants every SM) or down (the prefill GEMM: a second wave only adds partials), then down to a power of 2 <= 32."""
+    wanted = -(-SMS // programs) if round_up else max(1, SMS // programs)
+    return min(32, 1 << wanted.bit_length() - 1)
 
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles on 8 warps. Up to SPLIT_GATE_TILES token tiles (decode), a split GEMV (two stages): 64-slot
-    expert blocks and D split so that about SMS programs stream W once per tile, the last one of a tile routing it;
-    splits a power of 2 (1 to 32); beyond, a program per token tile with all slots, block_d keeping the W tile at 64
-    values per thread, three stages.
+    """Decode (up to SPLIT_GATE_TILES 16-row tiles): one launch, a split GEMV on 8 warps, 64-slot expert blocks and D
+    split so that about SMS programs stream W once per tile, the last one of a tile routing it. Prefill: three
+    launches, 1 / rms per token, a GEMM of [128 rows (64 below 1024 tokens), 128 slots] tiles (wgmma on a warpgroup
+    per 64 rows, three stages, D split while programs fit in one wave) into fp32 partial logits, and the routing of
+    their sums (moe_route's rows and warps). Model at v41-flash shapes: docs/operators.md.
 
     Under the interpreter, where each loop step costs the same whatever its size, block_d is 128 and D is not split
-    (the split's configs are tested directly).
+    (the GPU's configs are tested directly).
     """
     if flashkern.triton_interpreted():
         return {"block_t": 16, "block_d": 128, "num_warps": 8, "num_stages": 1, "splits": 1, "block_e": 64,
-                "epi_t": 16}
+                "epi_t": 16, "separate_route": False}
     slots = _slots(problem)
     tiles = -(-problem.tokens // 16)
     if tiles <= SPLIT_GATE_TILES:
-        block_e = min(64, slots)
-        splits = min(32, 1 << (-(-SMS // (tiles * (slots // block_e)))).bit_length() - 1)  # a power of 2
+        block_e = _expert_block(slots, 64)
         epi_t = 1 if problem.tokens == 1 else 16  # a lone token routed alone (model: 17.9 -> 6.5 us)
-        return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2, "splits": splits, "block_e": block_e,
-                "epi_t": epi_t}  # (three stages spill 12 B with V3's groups at epi_t 1: ptxas, sm_90a)
-    block_d = max(32, min(128, 1 << (64 * 256 // slots).bit_length() - 1))  # a power of 2
-    return {"block_t": 16, "block_d": block_d, "num_warps": 8, "num_stages": 3, "splits": 1, "block_e": 64,
-            "epi_t": 16}
+        return {"block_t": 16, "block_d": 64, "num_warps": 8, "num_stages": 2,
+                "splits": _power_of_2_splits(tiles * (slots // block_e)), "block_e": block_e, "epi_t": epi_t,
+                "separate_route": False}  # (three stages spill 12 B with V3's groups at epi_t 1: ptxas, sm_90a)
+    block_e = _expert_block(slots, 128)
+    block_t = GEMM_TILE_T if problem.tokens >= 1024 else GEMM_TILE_T // 2
+    programs = -(-problem.tokens // block_t) * (slots // block_e)
+    return {"block_t": block_t, "block_d": 64, "num_warps": block_t // 16, "num_stages": 3,
+            "splits": _power_of_2_splits(programs, round_up=False), "block_e": block_e, "epi_t": 16,
+            "separate_route": True}
