@@ -4,7 +4,8 @@
 Two operators share one routing core:
   moe_route       router logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int32)
   moe_route_gate  hidden [T, D] bf16 and gate weight [E, D] bf16 (optional RMSNorm) -> the same,
-                  with the fp32 logits computed in the same launch
+                  with the fp32 logits computed on the way (one launch at decode; at prefill a GEMM
+                  launch, then the routing)
 The math and the choices the spec leaves open are in flashkern.reference.moe_route.
 """
 
@@ -355,7 +356,7 @@ MOE_ROUTE = Operator(
 
 MOE_ROUTE_GATE = Operator(
     name="moe_route_gate",
-    summary="gate GEMM (+RMSNorm) and MoE routing from bf16 hidden states, one launch",
+    summary="gate GEMM (+RMSNorm) and MoE routing from bf16 hidden states",
     entry=moe_route_gate,
     reference=ref.moe_route_gate,
     implementations=(

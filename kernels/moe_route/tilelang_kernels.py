@@ -10,9 +10,10 @@ masked). Every step is a parallel map or a row reduction:
   4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 Argmax is (max, then min of the slots at the max): ties go to the lowest expert id.
 moe_route: a block routes block_t rows of fp32 logits.
-moe_route_gate: a block computes a [block_t, E] logits tile with T.gemm over D in block_d
-steps (h RMS-normalized and rounded to bf16 first when a norm weight is given, as the
-reference does), stages it in shared memory, and routes it route_rows rows at a time.
+moe_route_gate, in stages: 1 / rms per token (with a norm weight; a block per row), the GEMM into fp32 partial
+logits (a block per [block_t tokens, block_e experts] tile and D split: h and W tiles copied to shared memory, h
+RMS-normalized and rounded to bf16 there as the reference does, T.gemm into a fragment over a pipelined K loop;
+16-row mma.sync tiles at decode, 64- or 128-row wgmma tiles at prefill), then moe_route over the summed partials.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -22,9 +23,11 @@ import torch
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
 from flashkern.kernels.moe_route.problem import slot_layout
+from flashkern.kernels.tiles import SMS
 
 LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
 NO_SLOT = 1.0e9  # above every slot index; slots travel as exact fp32 integers through min-reductions
+RMS_BLOCK_D = 8192  # the gate's 1 / rms stage: columns a step at most
 
 
 def _route_macro(problem, rows: int, fl: Flavour):
@@ -159,16 +162,18 @@ def _route_macro(problem, rows: int, fl: Flavour):
     return route, real, expert, NP
 
 
-def route_program(problem, config, fl: Flavour):
-    """Routing from fp32 logits [T, E]."""
+def route_program(problem, config, fl: Flavour, splits: int = 0):
+    """Routing from fp32 logits [T, E]; with splits > 0, from the gate's partial logits [splits, T, E], summed in
+    split order."""
     E, K = problem.routing.experts, problem.routing.top_k
     BT = config["block_t"]
     n_rows = T.dynamic("T")
     route, real, expert, NP = _route_macro(problem, BT, fl)
+    source = T.Tensor((splits, n_rows, E), "float32") if splits else row_strided((n_rows, E), "float32", "logits")
 
     @T.prim_func
     def moe_route(
-        Logits: row_strided((n_rows, E), "float32", "logits"),
+        Logits: source,
         Bias: T.Tensor((E if problem.has_bias else 1,), "float32"),
         Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
         Weights: T.Tensor((n_rows, K), "float32"),
@@ -179,93 +184,122 @@ def route_program(problem, config, fl: Flavour):
         with T.Kernel(T.ceildiv(n_rows, BT), threads=config["threads"]) as bx:
             x = fl.fragment((BT, NP), "float32")
             for i, n in fl.parallel(BT, NP):
-                x[i, n] = T.if_then_else(
-                    (bx * BT + i < n_rows) & real(n),
-                    Logits[T.min(bx * BT + i, n_rows - 1), T.min(expert(n), E - 1)], 0.0)
+                row, column = T.min(bx * BT + i, n_rows - 1), T.min(expert(n), E - 1)
+                keep = (bx * BT + i < n_rows) & real(n)
+                if splits:
+                    x[i, n] = 0.0
+                    for part in T.serial(splits):
+                        x[i, n] = x[i, n] + T.if_then_else(keep, Logits[part, row, column], 0.0)
+                else:
+                    x[i, n] = T.if_then_else(keep, Logits[row, column], 0.0)
             route(x, bx * BT, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
 
     return moe_route
 
 
-def route_gate_program(problem, config, fl: Flavour):
-    """Gate GEMM (with optional RMSNorm) and routing from bf16 hidden states [T, D]."""
-    E, K, D = problem.routing.experts, problem.routing.top_k, problem.hidden
-    BT, BD, RB = config["block_t"], config["block_d"], config["route_rows"]
+def gate_splits(problem, config) -> tuple[int, int]:
+    """(splits of D, block_d steps per split): config["splits"], capped so that every split has a step."""
+    steps = -(-problem.hidden // config["block_d"])
+    per_split = -(-steps // max(1, min(config["splits"], steps)))
+    return -(-steps // per_split), per_split
+
+
+def inv_rms_program(problem, config, fl: Flavour):
+    """inv_rms[t] = 1 / sqrt(mean_d h[t, d]^2 + eps), a block per row, up to 8192 columns a step (one step at
+    v41-flash's 5120: every load of the row in flight at once), the gate's first stage."""
+    D = problem.hidden
+    BD = min(RMS_BLOCK_D, 1 << (D - 1).bit_length())
     n_rows = T.dynamic("T")
-    route, real, expert, NP = _route_macro(problem, RB, fl)
+
+    @T.prim_func
+    def inv_rms(H: row_strided((n_rows, D), fl.bf16, "hidden"), InvRms: T.Tensor((n_rows,), "float32"),
+                norm_eps: T.float32):
+        with T.Kernel(n_rows, threads=128) as row:
+            sq = fl.fragment((BD,), "float32")
+            part = fl.fragment((1,), "float32")
+            total = fl.fragment((1,), "float32")
+            total[0] = 0.0
+            for kd in T.serial(T.ceildiv(D, BD)):
+                for d in fl.parallel(BD):
+                    sq[d] = T.if_then_else(kd * BD + d < D, fl.load_bf16(H[row, T.min(kd * BD + d, D - 1)]), 0.0)
+                    sq[d] = sq[d] * sq[d]
+                T.reduce_sum(sq, part, dim=0)
+                total[0] = total[0] + part[0]
+            InvRms[row] = 1.0 / T.sqrt(total[0] / D + norm_eps)
+
+    return inv_rms
+
+
+def gate_gemm_program(problem, config, fl: Flavour):
+    """Parts[s, t, e] = sum over split s's D columns of x[t, d] W[e, d], x = bf16(h inv_rms norm) (or h): a block
+    per [block_t tokens, block_e experts] tile and split; T.gemm into a fragment over a pipelined K loop."""
+    E, D = problem.routing.experts, problem.hidden
+    BT, BE, BD = config["block_t"], config["block_e"], config["block_d"]
+    splits, per_split = gate_splits(problem, config)
+    n_rows = T.dynamic("T")
     operand = "bfloat16" if fl.on_gpu else "float32"  # T.gemm operands: bf16 on GPU, decoded fp32 on CPU
 
     @T.prim_func
-    def moe_route_gate(
+    def gate_gemm(
         H: row_strided((n_rows, D), fl.bf16, "hidden"),
         Wg: T.Tensor((E, D), fl.bf16),
         Norm: T.Tensor((D if problem.has_norm else 1,), fl.bf16),
-        Bias: T.Tensor((E if problem.has_bias else 1,), "float32"),
-        Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
-        Weights: T.Tensor((n_rows, K), "float32"),
-        Ids: T.Tensor((n_rows, K), "int32"),
-        scale: T.float32,
-        renormalize: T.int32,
-        norm_eps: T.float32,
+        InvRms: T.Tensor((n_rows if problem.has_norm else 1,), "float32"),
+        Parts: T.Tensor((splits, n_rows, E), "float32"),
     ):
-        with T.Kernel(T.ceildiv(n_rows, BT), threads=config["threads"]) as bx:
+        with T.Kernel(T.ceildiv(n_rows, BT), T.ceildiv(E, BE), splits, threads=config["threads"]) as (bx, by, bz):
             h_tile = fl.shared((BT, BD), operand)
-            w_tile = fl.shared((E, BD), operand)
-            acc = fl.fragment((BT, E), "float32")
-            inv_rms = fl.shared((BT,), "float32")  # shared, so the h-tile loop may use every thread
-            logits = fl.shared((BT, E), "float32")
-            x = fl.fragment((RB, NP), "float32")
-
-            if problem.has_norm:  # pass 1: inv_rms = 1 / sqrt(mean(h^2) + eps)
-                sq = fl.fragment((BT, BD), "float32")
-                part = fl.fragment((BT,), "float32")
+            w_tile = fl.shared((BE, BD), operand)
+            acc = fl.fragment((BT, BE), "float32")
+            if fl.on_gpu and problem.has_norm:  # h and the norm weight as copied, normalized into h_tile
+                h_raw = T.alloc_shared((BT, BD), fl.bf16)
+                norm = T.alloc_shared((BD,), fl.bf16)
+            scale = fl.shared((BT,), "float32")  # shared, so the h-tile loop may use every thread
+            if problem.has_norm:
                 for i in fl.parallel(BT):
-                    inv_rms[i] = 0.0
-                for kd in T.serial(T.ceildiv(D, BD)):
-                    for i, d in fl.parallel(BT, BD):
-                        sq[i, d] = T.if_then_else(
-                            (bx * BT + i < n_rows) & (kd * BD + d < D),
-                            fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(kd * BD + d, D - 1)]), 0.0)
-                        sq[i, d] = sq[i, d] * sq[i, d]
-                    T.reduce_sum(sq, part, dim=1)
-                    for i in fl.parallel(BT):
-                        inv_rms[i] = inv_rms[i] + part[i]
-                for i in fl.parallel(BT):
-                    inv_rms[i] = 1.0 / T.sqrt(inv_rms[i] / D + norm_eps)
-
-            for i, e in fl.parallel(BT, E):
-                acc[i, e] = 0.0
-            for kd in T.Pipelined(T.ceildiv(D, BD), num_stages=config["num_stages"]):  # pass 2: logits = h @ W^T
-                for i, d in fl.parallel(BT, BD):
+                    scale[i] = InvRms[T.min(bx * BT + i, n_rows - 1)]
+            T.clear(acc)
+            for step in T.Pipelined(T.min(per_split, T.ceildiv(D, BD) - bz * per_split),
+                                    num_stages=config["num_stages"]):
+                d0 = (bz * per_split + step) * BD
+                if fl.on_gpu:  # the tiles copied (cp.async / TMA, out-of-range rows and columns zero), then normed
+                    T.copy(Wg[by * BE, d0], w_tile)
                     if problem.has_norm:
-                        h_tile[i, d] = T.if_then_else(
-                            (bx * BT + i < n_rows) & (kd * BD + d < D),
-                            fl.round_bf16(fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(kd * BD + d, D - 1)])
-                                          * inv_rms[i] * fl.load_bf16(Norm[T.min(kd * BD + d, D - 1)])),
-                            0.0)
+                        T.copy(H[bx * BT, d0], h_raw)
+                        T.copy(Norm[d0], norm)
+                        for i, d in T.Parallel(BT, BD):  # RMS-normalized and rounded to bf16, as the reference does
+                            h_tile[i, d] = T.Cast(operand, T.Cast("float32", h_raw[i, d]) * scale[i]
+                                                  * T.Cast("float32", norm[d]))
                     else:
-                        h_tile[i, d] = T.if_then_else(
-                            (bx * BT + i < n_rows) & (kd * BD + d < D),
-                            fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(kd * BD + d, D - 1)]), 0.0)
-                if fl.on_gpu:
-                    T.copy(Wg[0, kd * BD], w_tile)
+                        T.copy(H[bx * BT, d0], h_tile)
                 else:
-                    for e, d in T.grid(E, BD):
-                        w_tile[e, d] = T.if_then_else(kd * BD + d < D, fl.load_bf16(Wg[e, T.min(kd * BD + d, D - 1)]), 0.0)
+                    for i, d in T.grid(BT, BD):
+                        value = fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(d0 + d, D - 1)])
+                        if problem.has_norm:
+                            value = fl.round_bf16(value * scale[i] * fl.load_bf16(Norm[T.min(d0 + d, D - 1)]))
+                        h_tile[i, d] = T.if_then_else((bx * BT + i < n_rows) & (d0 + d < D), value, 0.0)
+                    for e, d in T.grid(BE, BD):
+                        w_tile[e, d] = T.if_then_else((by * BE + e < E) & (d0 + d < D),
+                                                      fl.load_bf16(Wg[T.min(by * BE + e, E - 1), T.min(d0 + d, D - 1)]),
+                                                      0.0)
                 T.gemm(h_tile, w_tile, acc, transpose_B=True)
-            for i, e in fl.parallel(BT, E):
-                logits[i, e] = acc[i, e]
+            for i, e in fl.parallel(BT, BE):
+                if (bx * BT + i < n_rows) & (by * BE + e < E):
+                    Parts[bz, bx * BT + i, by * BE + e] = acc[i, e]
 
-            for chunk in T.serial(BT // RB):  # route the tile RB rows at a time
-                for i, n in fl.parallel(RB, NP):
-                    x[i, n] = T.if_then_else(real(n), logits[chunk * RB + i, T.min(expert(n), E - 1)], 0.0)
-                route(x, bx * BT + chunk * RB, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
-
-    return moe_route_gate
+    return gate_gemm
 
 
-# Automatic warp specialization moves the RMSNorm pass into producer warps and gives the routing
-# tiles a row-per-thread layout (255 registers, ~20 KB of spills at V3 shapes); without it they stay small.
+def route_gate_program(problem, config, fl: Flavour):
+    """The gate in stages: 1 / rms per token (with a norm), the GEMM into fp32 partial logits, their routing."""
+    splits = gate_splits(problem, config)[0]
+    route = route_program(problem, {"block_t": config["route_rows"], "threads": 128}, fl, splits=splits)
+    gemm = gate_gemm_program(problem, config, fl)
+    return (inv_rms_program(problem, config, fl), gemm, route) if problem.has_norm else (gemm, route)
+
+
+# Automatic warp specialization would hand the W copies to producer warps while every thread builds the normalized
+# h tile: the GEMM keeps one group of threads for both.
 GATE_PASS_CONFIGS = {"tl.disable_warp_specialized": True}
 
 
@@ -289,13 +323,21 @@ def route_args(problem, inputs: dict, config: dict, fl, out):
 
 
 def route_gate_args(problem, inputs: dict, config: dict, fl, out):
+    """The stages' arguments: (1 / rms,) GEMM, routing; the partial logits and the row scales are scratch."""
     if problem.tokens == 0:
         return None
     hidden = inputs["hidden"]
     device = hidden.device
+    splits = gate_splits(problem, config)[0]
+    parts = torch.empty((splits, problem.tokens, problem.routing.experts), dtype=torch.float32, device=device)
+    inv_rms = torch.empty(problem.tokens if problem.has_norm else 1, dtype=torch.float32, device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.ones(1, dtype=torch.bfloat16, device=device)
-    return [fl.bf16_arg(hidden), fl.bf16_arg(inputs["gate_weight"]), fl.bf16_arg(norm),
-            *_bias_valid_args(problem, inputs, device), *out, *_rule_args(problem), float(problem.norm_eps)]
+    gemm = [fl.bf16_arg(fl.tma_arg(hidden)), fl.bf16_arg(fl.tma_arg(inputs["gate_weight"])), fl.bf16_arg(norm),
+            inv_rms, parts]
+    route = [parts, *_bias_valid_args(problem, inputs, device), *out, *_rule_args(problem)]
+    if problem.has_norm:
+        return [fl.bf16_arg(hidden), inv_rms, float(problem.norm_eps)], gemm, route
+    return gemm, route
 
 
 # Register model: routing keeps ~4 fp32 [rows, slots] tiles live (x, s, b, scratch); the gate adds
@@ -319,25 +361,37 @@ def route_default(problem) -> dict:
     return {"block_t": 4 if problem.tokens >= 512 else 1, "threads": 128}
 
 
-def _gate_shared_bytes(problem, config) -> int:
-    e = problem.routing.experts
-    return config["num_stages"] * 2 * config["block_d"] * (e + config["block_t"]) + 4 * config["block_t"] * e
+def _gate_shared_bytes(config) -> int:
+    return config["num_stages"] * 2 * config["block_d"] * (config["block_e"] + config["block_t"])
 
 
 GATE_SPACE = Space(
-    params={"block_t": (16, 32, 64), "route_rows": (1, 2, 4), "block_d": (32, 64, 128), "threads": (128, 256),
-            "num_stages": (1, 2, 3)},
+    params={"block_t": (16, 32, 64, 128), "block_e": (32, 64, 128), "block_d": (32, 64, 128),
+            "splits": (1, 2, 4, 8, 16, 32), "route_rows": (1, 2, 4), "threads": (128, 256), "num_stages": (1, 2, 3)},
     gpu_only=("threads", "num_stages"),
     limits={
-        "4 x route_rows x slots / threads + block_t x experts / threads <= 128 (registers)":
-            lambda p, c: _route_values(p, c["route_rows"], c["threads"])
-            + c["block_t"] * p.routing.experts // c["threads"] <= 128,
-        "bf16 tiles x stages + fp32 logits <= 200 KiB (shared memory)":
-            lambda p, c: _gate_shared_bytes(p, c) <= 200 * 1024,
+        "block_t x block_e / threads <= 128 (registers: the accumulator)":
+            lambda p, c: c["block_t"] * c["block_e"] <= 128 * c["threads"],
+        "bf16 tiles x stages <= 200 KiB (shared memory)": lambda p, c: _gate_shared_bytes(c) <= 200 * 1024,
     },
 )
 
+DECODE_TOKENS = 64  # up to here the GEMM's M side is a 16-row mma.sync tile and D splits over about every SM
+
 
 def gate_default(problem) -> dict:
-    """16-row MMA tiles, 64-wide K steps, double-buffered W tiles, 4 warps; routed 2 rows at a time."""
-    return {"block_t": 16, "route_rows": 2, "block_d": 64, "threads": 128, "num_stages": 2}
+    """Decode (up to DECODE_TOKENS): 16-row tiles (mma.sync), 64-expert blocks, D split until about SMS blocks
+    (rounded up: W's stream wants every SM), two stages. Prefill: 64-row tiles (a warpgroup's wgmma; 128 rows on 8
+    warps from 1024 tokens), 128-expert blocks, three stages, D split while the blocks fit one wave. The routing
+    stage takes route_rows rows a block (moe_route's default for the tokens)."""
+    experts = problem.routing.experts
+    if problem.tokens <= DECODE_TOKENS:
+        block_t, block_e, threads, stages = 16, 64, 128, 2
+    else:
+        block_t = 128 if problem.tokens >= 1024 else 64
+        block_e, threads, stages = 128, 2 * block_t, 3
+    blocks = -(-max(problem.tokens, 1) // block_t) * -(-experts // block_e)
+    wanted = -(-SMS // blocks) if problem.tokens <= DECODE_TOKENS else max(1, SMS // blocks)
+    splits = max(v for v in GATE_SPACE.params["splits"] if v <= wanted)
+    return {"block_t": block_t, "block_e": block_e, "block_d": 64, "splits": splits, "threads": threads,
+            "num_stages": stages, "route_rows": 4 if problem.tokens >= 512 else 1}

@@ -442,10 +442,15 @@ def _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, spli
                         args=dict(gemm, inv_rms_ptr=inv_rms, parts_ptr=parts, split_d=split_d, splits=splits,
                                   G=r["G"], EG=r["EG"], EG_PAD=r["EG_PAD"], NP=_slots(problem),
                                   BLOCK_E=config["block_e"]), **options),)
-    route = route_default(problem)  # moe_route's own rows and warps for these tokens
-    routing = dict(_routing_args(problem, inputs, config, out), BLOCK_T=route["block_t"])
-    return launches + (Launch(route_parts_kernel, grid=(triton.cdiv(problem.tokens, route["block_t"]),),
-                              args=dict(routing, parts_ptr=parts, splits=splits), num_warps=route["num_warps"]),)
+    rows = config["epi_t"]  # a warp per row, up to 4 warps (moe_route's form)
+    routing = dict(_routing_args(problem, inputs, config, out), BLOCK_T=rows)
+    return launches + (Launch(route_parts_kernel, grid=(triton.cdiv(problem.tokens, rows),),
+                              args=dict(routing, parts_ptr=parts, splits=splits), num_warps=_route_warps(rows)),)
+
+
+def _route_warps(rows: int) -> int:
+    """Warps of the separate routing launch: a warp per row, at most 4."""
+    return min(4, rows)
 
 
 # Register model, measured with `flashkern compile-check` (ptxas, sm_90a): the routing steps keep
@@ -493,7 +498,7 @@ def _fused(rule):
 
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64, 128), "block_d": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3, 4),
-            "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128, 256), "epi_t": (1, 4, 16),
+            "splits": (1, 2, 4, 8, 16, 32), "block_e": (16, 64, 128, 256), "epi_t": (1, 4, 8, 16),
             "separate_route": (False, True)},
     gpu_only=("num_warps", "num_stages"),
     constraints={"block_e divides the slots": lambda p, c: _slots(p) % c["block_e"] == 0,
@@ -505,6 +510,8 @@ GATE_SPACE = Space(
         "split: block_e x block_d / threads <= 64 (registers: the W tile)":
             lambda p, c: (c["splits"] == 1 and not c["separate_route"])
             or _split_w_tile_values_per_thread(p, c) <= 64,
+        "separate route: epi_t x slots / routing threads <= 32 (registers)":
+            lambda p, c: not c["separate_route"] or c["epi_t"] * _slots(p) <= 32 * 32 * _route_warps(c["epi_t"]),
         "separate route: block_t x block_e / threads <= 128 (registers: the accumulator)":
             lambda p, c: not c["separate_route"] or c["block_t"] * c["block_e"] <= 128 * 32 * c["num_warps"],
         "stages x (slots + block_t) x block_d x 2 B <= 200 KiB (shared memory)":
@@ -536,7 +543,7 @@ def gate_default(problem) -> dict:
     split so that about SMS programs stream W once per tile, the last one of a tile routing it. Prefill: three
     launches, 1 / rms per token, a GEMM of [128 rows (64 below 1024 tokens), 128 slots] tiles (wgmma on a warpgroup
     per 64 rows, three stages, D split while programs fit in one wave) into fp32 partial logits, and the routing of
-    their sums (moe_route's rows and warps). Model at v41-flash shapes: docs/operators.md.
+    their sums (epi_t rows a program, a warp each: moe_route's form). Model at v41-flash shapes: docs/operators.md.
 
     Under the interpreter, where each loop step costs the same whatever its size, block_d is 128 and D is not split
     (the GPU's configs are tested directly).
@@ -556,5 +563,5 @@ def gate_default(problem) -> dict:
     block_t = GEMM_TILE_T if problem.tokens >= 1024 else GEMM_TILE_T // 2
     programs = -(-problem.tokens // block_t) * (slots // block_e)
     return {"block_t": block_t, "block_d": 64, "num_warps": block_t // 16, "num_stages": 3,
-            "splits": _power_of_2_splits(programs, round_up=False), "block_e": block_e, "epi_t": 16,
-            "separate_route": True}
+            "splits": _power_of_2_splits(programs, round_up=False), "block_e": block_e,
+            "epi_t": 8 if problem.tokens >= 4096 else 4, "separate_route": True}
