@@ -1,8 +1,9 @@
-"""MoE routing in TileLang: one source for CUDA and the CPU (C) target, one launch per call.
+"""MoE routing in TileLang: one source for CUDA and the CPU (C) target.
 
-Tile plan: rows are routed ROWS at a time on a slot tile x[ROWS, NP] (slot g * WP + j holds
-expert g * EG + j; WP, GP are EG, G padded to powers of two, NP = GP * WP; padding slots are
-masked). Every step is a parallel map or a row reduction:
+Tile plan: rows are routed ROWS at a time on a slot tile x[ROWS, NP], a warp per row on the GPU (slot n of row i
+in lane n % 32 of warp i: every row reduction is a warp shuffle, no shared memory). One group: slot = expert, NP
+the experts rounded up to 32 (384 stay 384). Groups: slot g * WP + j holds expert g * EG + j, WP, GP being EG, G
+padded to powers of two, NP = GP * WP. Padding slots are masked. Every step is a parallel map or a row reduction:
   1. s = score(x), non-finite s -> 0; b = s + bias (NaN keys -> lowest finite, padding -> -inf)
   2. groups (G > 1): on a [ROWS, GP, WP] copy of b, gscore = max (or top-2 sum) per group;
      TOPK_GROUP rounds of (max, lowest group) choose the groups; b = -inf elsewhere
@@ -30,12 +31,39 @@ NO_SLOT = 1.0e9  # above every slot index; slots travel as exact fp32 integers t
 RMS_BLOCK_D = 8192  # the gate's 1 / rms stage: columns a step at most
 
 
+def route_slots(routing) -> tuple[int, int, int]:
+    """(GP, WP, NP): groups and their width padded (powers of 2 for the [rows, GP, WP] group view), and the slots a
+    row, GP x WP. One group: the experts rounded up to a warp's 32 lanes, no more (384 stay 384)."""
+    if routing.n_group == 1:
+        width = -(-routing.experts // 32) * 32
+        return 1, width, width
+    layout = slot_layout(routing)
+    return layout.groups, layout.group_width, layout.slots
+
+
+def lanes(fl: Flavour, rows: int, slots: int, tiles: tuple, group_tiles: tuple):
+    """On the GPU, a warp per row: slot n of row i in lane n % 32 of warp i, at local index n // 32 (the [rows, GP, WP]
+    group views likewise by their flat slot), so every row reduction is a warp shuffle; threads = 32 rows. Slots
+    fewer than a warp keep TileLang's own layout; the C target has none."""
+    if not fl.on_gpu or slots % 32:
+        return
+    flat = T.Fragment((rows, slots), forward_thread_fn=lambda i, n: i * 32 + n % 32,
+                      forward_index_fn=lambda i, n: n // 32)
+    layouts = {tile: flat for tile in tiles}
+    if group_tiles:
+        width = slots // group_tiles[0].shape[1]
+        grouped = T.Fragment((rows, slots // width, width),
+                             forward_thread_fn=lambda i, g, j: i * 32 + (g * width + j) % 32,
+                             forward_index_fn=lambda i, g, j: (g * width + j) // 32)
+        layouts.update({tile: grouped for tile in group_tiles})
+    T.annotate_layout(layouts)
+
+
 def _route_macro(problem, rows: int, fl: Flavour):
     """Steps 1-4 for a [rows, NP] logits tile, as a TileLang macro."""
     r = problem.routing
     G, EG, K, TOPK_GROUP = r.n_group, r.experts // r.n_group, r.top_k, r.topk_group
-    layout = slot_layout(r)
-    GP, WP, NP = layout.groups, layout.group_width, layout.slots
+    GP, WP, NP = route_slots(r)
     KP = 1 << (K - 1).bit_length()  # the chosen-expert tile is padded to a power of two as well
     POS_INF = T.infinity("float32")
     NEG_INF = -POS_INF
@@ -59,6 +87,12 @@ def _route_macro(problem, rows: int, fl: Flavour):
         s = fl.fragment((rows, NP), "float32")
         b = fl.fragment((rows, NP), "float32")
         scratch = fl.fragment((rows, NP), "float32")
+        if G > 1:
+            b3 = fl.fragment((rows, GP, WP), "float32")
+            scratch3 = fl.fragment((rows, GP, WP), "float32")
+            lanes(fl, rows, NP, (x, s, b, scratch), (b3, scratch3))
+        else:
+            lanes(fl, rows, NP, (x, s, b, scratch), ())
         per_row = fl.fragment((rows,), "float32")
         picked = fl.fragment((rows,), "float32")
         w_sel = fl.fragment((rows, KP), "float32")
@@ -96,7 +130,6 @@ def _route_macro(problem, rows: int, fl: Flavour):
 
         # 2. group limiting
         if G > 1:
-            b3 = fl.fragment((rows, GP, WP), "float32")
             top1 = fl.fragment((rows, GP), "float32")
             top2 = fl.fragment((rows, GP), "float32")  # the second largest b, then argmax scratch
             keep = fl.fragment((rows, GP), "float32")
@@ -108,7 +141,6 @@ def _route_macro(problem, rows: int, fl: Flavour):
                 b3[i, g, j] = b[i, g * WP + j]
             T.reduce_max(b3, top1, dim=2)  # group score "max"
             if problem.group_form == "top2":
-                scratch3 = fl.fragment((rows, GP, WP), "float32")
                 for i, g, j in fl.parallel(rows, GP, WP):
                     scratch3[i, g, j] = T.if_then_else(b3[i, g, j] == top1[i, g], T.Cast("float32", j), NO_SLOT)
                 T.reduce_min(scratch3, top2, dim=2)  # in-group position of the first maximum
@@ -181,7 +213,7 @@ def route_program(problem, config, fl: Flavour, splits: int = 0):
         scale: T.float32,
         renormalize: T.int32,
     ):
-        with T.Kernel(T.ceildiv(n_rows, BT), threads=config["threads"]) as bx:
+        with T.Kernel(T.ceildiv(n_rows, BT), threads=32 * BT) as bx:  # a warp per row
             x = fl.fragment((BT, NP), "float32")
             for i, n in fl.parallel(BT, NP):
                 row, column = T.min(bx * BT + i, n_rows - 1), T.min(expert(n), E - 1)
@@ -293,7 +325,7 @@ def gate_gemm_program(problem, config, fl: Flavour):
 def route_gate_program(problem, config, fl: Flavour):
     """The gate in stages: 1 / rms per token (with a norm), the GEMM into fp32 partial logits, their routing."""
     splits = gate_splits(problem, config)[0]
-    route = route_program(problem, {"block_t": config["route_rows"], "threads": 128}, fl, splits=splits)
+    route = route_program(problem, {"block_t": config["route_rows"]}, fl, splits=splits)
     gemm = gate_gemm_program(problem, config, fl)
     return (inv_rms_program(problem, config, fl), gemm, route) if problem.has_norm else (gemm, route)
 
@@ -340,25 +372,14 @@ def route_gate_args(problem, inputs: dict, config: dict, fl, out):
     return gemm, route
 
 
-# Register model: routing keeps ~4 fp32 [rows, slots] tiles live (x, s, b, scratch); the gate adds
-# its [block_t, E] accumulator. Per-thread values must stay well under the 255-register limit.
-def _route_values(problem, rows: int, threads: int) -> int:
-    return 4 * rows * slot_layout(problem.routing).slots // threads
-
-
-ROUTE_SPACE = Space(
-    params={"block_t": (1, 2, 4, 8), "threads": (32, 64, 128, 256)},
-    gpu_only=("threads",),
-    limits={
-        "4 x block_t x slots / threads <= 128 (registers)":
-            lambda p, c: _route_values(p, c["block_t"], c["threads"]) <= 128,
-    },
-)
+# A warp per row: each thread holds slots / 32 values of each of the ~4 fp32 [rows, slots] routing tiles (x, s, b,
+# scratch): 12 each for 384 experts.
+ROUTE_SPACE = Space(params={"block_t": (1, 2, 4, 8)})
 
 
 def route_default(problem) -> dict:
-    """A warp per 128 slots (4 warps for 384 experts); 4 rows per block once tokens are plentiful."""
-    return {"block_t": 4 if problem.tokens >= 512 else 1, "threads": 128}
+    """A warp per row; 4 rows (warps) a block once tokens are plentiful, else 1."""
+    return {"block_t": 4 if problem.tokens >= 512 else 1}
 
 
 def _gate_shared_bytes(config) -> int:
