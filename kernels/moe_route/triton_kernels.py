@@ -12,9 +12,9 @@ Slots run in expert order: slot = expert (one group), else g * EG_PAD + j for ex
   4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 The fused-gate kernels first form the logits chunks with tl.dot over D in BLOCK_D steps
 (RMS-normalized and rounded to bf16 when a norm weight is given, as the reference does). At prefill the gate is
-three launches instead (inv_rms_kernel, gate_gemm_kernel into fp32 partials, route_parts_kernel): a GEMM tile of 64
-or 128 token rows is the M side of wgmma, and the routing is spread over every SM rather than run by one program
-per tile.
+three launches instead (inv_rms_kernel, gate_gemm_kernel into fp32 partials, moe_route_kernel summing them): a GEMM
+tile of 64 or 128 token rows is the M side of wgmma, and the routing is spread over every SM rather than run by
+one program per tile.
 """
 
 from __future__ import annotations
@@ -166,20 +166,34 @@ def _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
     tl.store(id_ptr + out, ids, mask=out_ok)
 
 
-@triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
-def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, scale,
+@triton.jit(do_not_specialize=["T", "splits"])  # per-step sizes: one compile whatever the batch
+def moe_route_kernel(logits_ptr, stride_t, bias_ptr, valid_ptr, w_ptr, id_ptr, T, splits, scale,
                      G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
                      K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
                      SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Routes BLOCK_T rows of fp32 logits [T, E] (row stride stride_t); the prefill gate's last launch passes its
+    partial logits [splits, T, E], summed in split order."""
     row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = row < T
-    rows = logits_ptr + row.to(tl.int64)[:, None] * stride_t
-    x = ()
-    for c in tl.static_range(NC):
-        expert, ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)
-        x = x + (tl.load(rows + expert, mask=row_ok[:, None] & ok, other=0.0),)
-    _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
+    _route_chunks(_summed_logits(logits_ptr, row, row_ok, stride_t, T, splits, G, EG, EG_PAD, NC, CW), row, row_ok,
+                  bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
                   G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
+
+
+@triton.jit
+def _summed_logits(logits_ptr, row, row_ok, stride_t, T, splits,
+                   G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr):
+    """The logits chunks of `row` from [splits, T, E] (row stride stride_t), the splits summed in split order
+    (deterministic); padding slots 0."""
+    logits = _zero_chunks(NC, row.shape[0], CW)
+    for s in range(splits):
+        rows = logits_ptr + (s * T + row.to(tl.int64))[:, None] * stride_t
+        summed = ()
+        for c in tl.static_range(NC):
+            expert, ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)
+            summed = summed + (logits[c] + tl.load(rows + expert, mask=row_ok[:, None] & ok, other=0.0),)
+        logits = summed
+    return logits
 
 
 NORM_BLOCK = tl.constexpr(512)  # columns per step of the sum of squares: 32 values a thread for 16 rows on 8 warps
@@ -259,26 +273,14 @@ def moe_route_gate_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, bias_pt
 def _gate_part(h_rows, row, row_ok, gate_ptr, norm_ptr, inv_rms, parts_ptr, split, split_d, T, D,
                G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NP: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_D: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """parts[split, row, slots first..first + BLOCK_E) = the fp32 partial logits over D columns [split split_d,
-    +split_d), for expert block `tl.program_id(0) % (NP // BLOCK_E)` (blocks fastest in the grid)."""
+    """parts[split, row, experts of slots first..first + BLOCK_E) = the fp32 partial logits over D columns
+    [split split_d, +split_d), for slot block `tl.program_id(0) % (NP // BLOCK_E)` (blocks fastest in the grid)."""
     first = tl.program_id(0) % (NP // BLOCK_E) * BLOCK_E
     acc = _gate_logits(_zero_chunks(1, row.shape[0], BLOCK_E), h_rows, row_ok, gate_ptr, norm_ptr, inv_rms, first,
                        split * split_d, split * split_d + split_d, D, G, EG, EG_PAD, 1, BLOCK_D, UPCAST_DOT)[0]
-    slot = first + tl.arange(0, BLOCK_E)
-    tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * NP + slot[None, :], acc, mask=row_ok[:, None])
-
-
-@triton.jit
-def _summed_parts(parts_ptr, row, row_ok, T, splits, NC: tl.constexpr, CW: tl.constexpr):
-    """The logits chunks of `row`: the splits' partials summed in split order (deterministic)."""
-    logits = _zero_chunks(NC, row.shape[0], CW)
-    for s in range(splits):
-        part = parts_ptr + (s * T + row.to(tl.int64))[:, None] * (NC * CW)
-        summed = ()
-        for c in tl.static_range(NC):  # one address a split; the chunks at constant offsets
-            summed = summed + (logits[c] + tl.load(part + _chunk_slots(c, CW), mask=row_ok[:, None], other=0.0),)
-        logits = summed
-    return logits
+    expert, ok = _slot_experts(first + tl.arange(0, BLOCK_E), G, EG, EG_PAD)
+    tl.store(parts_ptr + (split * T + row.to(tl.int64))[:, None] * (G * EG) + expert[None, :], acc,
+             mask=row_ok[:, None] & ok[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])  # per-step sizes: one compile whatever the batch
@@ -309,7 +311,8 @@ def moe_route_gate_split_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, norm_eps, b
         for sub in range(0, tl.minimum(BLOCK_T, T - tile * BLOCK_T), EPI_T):  # the tile's tokens, EPI_T at a time
             epi_row = tile * BLOCK_T + sub + tl.arange(0, EPI_T)
             epi_ok = epi_row < T
-            _route_chunks(_summed_parts(parts_ptr, epi_row, epi_ok, T, splits, NC, CW), epi_row, epi_ok,
+            _route_chunks(_summed_logits(parts_ptr, epi_row, epi_ok, G * EG, T, splits, G, EG, EG_PAD, NC, CW),
+                          epi_row, epi_ok,
                           bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
                           G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
@@ -340,19 +343,6 @@ def gate_gemm_kernel(h_ptr, stride_t, gate_ptr, norm_ptr, inv_rms_ptr, parts_ptr
     _gate_part(h_ptr + row.to(tl.int64)[:, None] * stride_t, row, row_ok, gate_ptr, norm_ptr, inv_rms, parts_ptr,
                tl.program_id(0) % group // (NP // BLOCK_E), split_d, T, D, G, EG, EG_PAD, NP, BLOCK_E, BLOCK_D,
                UPCAST_DOT)
-
-
-@triton.jit(do_not_specialize=["T", "splits"])  # per-step sizes: one compile whatever the batch
-def route_parts_kernel(parts_ptr, bias_ptr, valid_ptr, w_ptr, id_ptr, T, splits, scale,
-                       G: tl.constexpr, EG: tl.constexpr, EG_PAD: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
-                       K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
-                       SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The prefill gate's last launch: the splits' partial logits summed in order, then routed (a warp per row)."""
-    row = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = row < T
-    _route_chunks(_summed_parts(parts_ptr, row, row_ok, T, splits, NC, CW), row, row_ok,
-                  bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
-                  G, EG, EG_PAD, NC, CW, K, K_PAD, TOPK_GROUP, GROUP_TOP2, SCORE, RENORMALIZE)
 
 
 def chunking(routing) -> tuple[int, int]:
@@ -388,7 +378,8 @@ def _routing_args(problem, inputs, config, out):
 def plan_route(problem, inputs, config, out):
     logits = inputs["logits"]
     return Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, config["block_t"]),),
-                  args=dict(logits_ptr=logits, stride_t=logits.stride(0), **_routing_args(problem, inputs, config, out)),
+                  args=dict(logits_ptr=logits, stride_t=logits.stride(0), splits=1,
+                            **_routing_args(problem, inputs, config, out)),
                   num_warps=config["num_warps"])
 
 
@@ -418,7 +409,7 @@ def plan_route_gate(problem, inputs, config, out):
     if splits == 1:
         return Launch(moe_route_gate_kernel, grid=(tiles,), args=args, **options)
     group = splits * _slots(problem) // config["block_e"]
-    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32, device=hidden.device)
+    parts = torch.empty((splits, problem.tokens, problem.routing.experts), dtype=torch.float32, device=hidden.device)
     tickets = torch.zeros(tiles, dtype=torch.int32, device=hidden.device)
     return Launch(moe_route_gate_split_kernel, grid=(tiles * group,), cooperating=group,
                   args=dict(args, parts_ptr=parts, tickets_ptr=tickets, split_d=split_d, splits=splits,
@@ -435,7 +426,7 @@ def _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, spli
                             args=dict(h_ptr=hidden, stride_t=hidden.stride(0), inv_rms_ptr=inv_rms, T=problem.tokens,
                                       D=problem.hidden, norm_eps=float(inputs["norm_eps"]),
                                       BLOCK_D=min(8192, triton.next_power_of_2(problem.hidden)))),)
-    parts = torch.empty((splits, problem.tokens, _slots(problem)), dtype=torch.float32, device=hidden.device)
+    parts = torch.empty((splits, problem.tokens, problem.routing.experts), dtype=torch.float32, device=hidden.device)
     r = _routing_constexprs(problem)
     blocks = _slots(problem) // config["block_e"]
     launches += (Launch(gate_gemm_kernel, grid=(tiles * splits * blocks,),
@@ -444,8 +435,9 @@ def _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, spli
                                   BLOCK_E=config["block_e"]), **options),)
     rows = config["epi_t"]  # a warp per row, up to 4 warps (moe_route's form)
     routing = dict(_routing_args(problem, inputs, config, out), BLOCK_T=rows)
-    return launches + (Launch(route_parts_kernel, grid=(triton.cdiv(problem.tokens, rows),),
-                              args=dict(routing, parts_ptr=parts, splits=splits), num_warps=_route_warps(rows)),)
+    return launches + (Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, rows),),
+                              args=dict(routing, logits_ptr=parts, stride_t=problem.routing.experts, splits=splits),
+                              num_warps=_route_warps(rows)),)
 
 
 def _route_warps(rows: int) -> int:
