@@ -9,8 +9,9 @@ only (--time-interpreted to time it).
   mhc_pre, mhc_post_pre: the epilogue run by each token tile's last split (one launch) against the default (its own
       launch, a program per token, at small batches; the same where the default keeps the last split);
   topk_indices, candidate_blocks: one CTA a row (chunks 1) against the default (long rows split over CTAs);
-  moe_route_gate (Triton): a program per token tile with every expert (splits 1) against the default (at decode,
-      a split GEMV whose last program routes).
+  moe_route_gate: Triton's earlier form (one launch, a program per 16-row token tile with every expert, mma.sync)
+      against the default (at decode a split GEMV whose last program routes; at prefill a wgmma GEMM into partials,
+      then the routing launch); TileLang's stages with 16-row tiles and no D split against its default.
 
 Run: python benchmarks/designs.py [--ops sparse_decode_attention,sparse_mqa_logits,mhc_pre,mhc_post_pre,...]
      [--tokens 1,8,64,4096]
@@ -36,7 +37,12 @@ def _one_cta_a_row(default: dict) -> dict:
 
 
 def _one_program_a_tile(default: dict) -> dict:
-    return {**default, "splits": 1}
+    return {**default, "block_t": 16, "block_d": 32, "num_warps": 8, "num_stages": 3, "splits": 1, "epi_t": 16,
+            "separate_route": False}
+
+
+def _unsplit_16_row_tiles(default: dict) -> dict:
+    return {**default, "block_t": 16, "splits": 1, "threads": 128, "num_stages": 2}
 
 
 DESIGNS = {  # operator -> backend -> (design name, config or default -> config): timed beside the default
@@ -53,7 +59,8 @@ DESIGNS = {  # operator -> backend -> (design name, config or default -> config)
        for op_name in ("mhc_pre", "mhc_post_pre")},
     **{op_name: dict.fromkeys(("triton", "tilelang"), ("one CTA a row", _one_cta_a_row))
        for op_name in ("topk_indices", "candidate_blocks")},
-    "moe_route_gate": {"triton": ("a program per token tile", _one_program_a_tile)},
+    "moe_route_gate": {"triton": ("a program per token tile", _one_program_a_tile),
+                       "tilelang": ("16-row tiles, D not split", _unsplit_16_row_tiles)},
 }
 
 
