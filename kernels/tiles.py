@@ -7,3 +7,11 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n, for n >= 1 (triton.next_power_of_2 is a constexpr function costing
     microseconds a call, too slow for tuning-space rules tried 10^5 times)."""
     return 1 << (n - 1).bit_length()
+
+
+def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:
+    """(splits, chunk): a GEMM's K splits over D, each `chunk` columns (a multiple of block_d); split s covers d in
+    [s * chunk, min(D, (s + 1) * chunk)). At most split_k splits, none empty."""
+    tiles = -(-hidden // block_d)
+    chunk = -(-tiles // max(1, min(split_k, tiles))) * block_d
+    return -(-hidden // chunk), chunk

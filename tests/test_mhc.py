@@ -19,7 +19,7 @@ from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
-from flashkern.kernels.mhc.problem import split_plan
+from flashkern.kernels.tiles import split_plan
 from flashkern.kernels.mhc.cases import apply_value_mode
 from flashkern.reference import mhc as ref
 from flashkern.reference.mhc import COLLAPSES

@@ -22,7 +22,8 @@ from _device import DEVICE, on_device
 from flashkern import registry
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
 from flashkern.kernels.moe_route.cases import NONFINITE, gate_cases, route_cases
-from flashkern.kernels.moe_route.triton_kernels import GEMM_TILE_T, gate_splits
+from flashkern.kernels.moe_route.triton_kernels import GEMM_TILE_T
+from flashkern.kernels.tiles import split_plan
 from flashkern.reference import moe_route as ref
 
 MOE_ROUTE = registry.get("moe_route")
@@ -254,7 +255,7 @@ def test_split_gate_in_the_gpus_default_config(routing):
         inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
         with flashkern.planning_for_gpu():
             config = impl.default_config(MOE_ROUTE_GATE.check(dict(inputs)))
-        assert gate_splits(problem, config)[0] > 1, config
+        assert split_plan(problem.hidden, config["splits"], config["block_d"])[0] > 1, config
         first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", config)
         second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=config)
         assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))

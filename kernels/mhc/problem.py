@@ -97,9 +97,3 @@ def epilogue_launch(tokens: int, tiles: int) -> str:
     return "own_launch" if 1 < tokens and 8 * tiles <= SMS else "last_split"
 
 
-def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:
-    """(splits, chunk): the GEMM stage's K splits over D, each `chunk` columns (a multiple of block_d) of every
-    stream; split s covers d in [s * chunk, min(D, (s + 1) * chunk)). At most split_k splits, none empty."""
-    tiles = -(-hidden // block_d)
-    chunk = -(-tiles // max(1, min(split_k, tiles))) * block_d
-    return -(-hidden // chunk), chunk

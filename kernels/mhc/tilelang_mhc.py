@@ -41,14 +41,13 @@ from types import SimpleNamespace
 import tilelang.language as T
 import torch
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import SMS, next_power_of_2
+from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
 from flashkern.kernels._tilelang import Flavour
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
     SinkhornProblem,
     empty_partials,
     epilogue_launch,
-    split_plan,
 )
 
 

@@ -39,9 +39,9 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import SMS, next_power_of_2
+from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.mhc.problem import empty_partials, epilogue_launch, split_plan
+from flashkern.kernels.mhc.problem import empty_partials, epilogue_launch
 from flashkern.reference.mhc import mix_width
 
 

@@ -24,7 +24,7 @@ import torch
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
 from flashkern.kernels.moe_route.problem import slot_layout
-from flashkern.kernels.tiles import SMS
+from flashkern.kernels.tiles import SMS, split_plan
 
 LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
 NO_SLOT = 1.0e9  # above every slot index; slots travel as exact fp32 integers through min-reductions
@@ -229,13 +229,6 @@ def route_program(problem, config, fl: Flavour, splits: int = 0):
     return moe_route
 
 
-def gate_splits(problem, config) -> tuple[int, int]:
-    """(splits of D, block_d steps per split): config["splits"], capped so that every split has a step."""
-    steps = -(-problem.hidden // config["block_d"])
-    per_split = -(-steps // max(1, min(config["splits"], steps)))
-    return -(-steps // per_split), per_split
-
-
 def inv_rms_program(problem, config, fl: Flavour):
     """inv_rms[t] = 1 / sqrt(mean_d h[t, d]^2 + eps), a block per row, up to 8192 columns a step (one step at
     v41-flash's 5120: every load of the row in flight at once), the gate's first stage."""
@@ -267,7 +260,8 @@ def gate_gemm_program(problem, config, fl: Flavour):
     per [block_t tokens, block_e experts] tile and split; T.gemm into a fragment over a pipelined K loop."""
     E, D = problem.routing.experts, problem.hidden
     BT, BE, BD = config["block_t"], config["block_e"], config["block_d"]
-    splits, per_split = gate_splits(problem, config)
+    splits, chunk = split_plan(D, config["splits"], BD)
+    per_split = chunk // BD  # block_d steps a split
     n_rows = T.dynamic("T")
     operand = "bfloat16" if fl.on_gpu else "float32"  # T.gemm operands: bf16 on GPU, decoded fp32 on CPU
 
@@ -324,7 +318,7 @@ def gate_gemm_program(problem, config, fl: Flavour):
 
 def route_gate_program(problem, config, fl: Flavour):
     """The gate in stages: 1 / rms per token (with a norm), the GEMM into fp32 partial logits, their routing."""
-    splits = gate_splits(problem, config)[0]
+    splits = split_plan(problem.hidden, config["splits"], config["block_d"])[0]
     route = route_program(problem, {"block_t": config["route_rows"]}, fl, splits=splits)
     gemm = gate_gemm_program(problem, config, fl)
     return (inv_rms_program(problem, config, fl), gemm, route) if problem.has_norm else (gemm, route)
@@ -360,7 +354,7 @@ def route_gate_args(problem, inputs: dict, config: dict, fl, out):
         return None
     hidden = inputs["hidden"]
     device = hidden.device
-    splits = gate_splits(problem, config)[0]
+    splits = split_plan(problem.hidden, config["splits"], config["block_d"])[0]
     parts = torch.empty((splits, problem.tokens, problem.routing.experts), dtype=torch.float32, device=device)
     inv_rms = torch.empty(problem.tokens if problem.has_norm else 1, dtype=torch.float32, device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.ones(1, dtype=torch.bfloat16, device=device)

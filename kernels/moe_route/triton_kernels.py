@@ -27,7 +27,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.moe_route.problem import slot_layout
-from flashkern.kernels.tiles import SMS
+from flashkern.kernels.tiles import SMS, split_plan
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
@@ -383,15 +383,6 @@ def plan_route(problem, inputs, config, out):
                   num_warps=config["num_warps"])
 
 
-def gate_splits(problem, config) -> tuple[int, int]:
-    """(splits of D, columns per split): config["splits"] (1: the one-CTA-per-tile kernel) capped so that every split
-    has at least one BLOCK_D step."""
-    block_d = config["block_d"]
-    splits = max(1, min(config["splits"], -(-problem.hidden // block_d)))
-    split_d = block_d * -(-problem.hidden // (splits * block_d))
-    return -(-problem.hidden // split_d), split_d
-
-
 def plan_route_gate(problem, inputs, config, out):
     """One launch (a program per token tile; or split over D and experts, the last program of a tile routing it),
     or with config["separate_route"] three: 1 / rms per token (with a norm), the GEMM into fp32 partial logits,
@@ -402,7 +393,7 @@ def plan_route_gate(problem, inputs, config, out):
                 BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted())
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     tiles = triton.cdiv(problem.tokens, config["block_t"])
-    splits, split_d = gate_splits(problem, config)
+    splits, split_d = split_plan(problem.hidden, config["splits"], config["block_d"])
     if config["separate_route"]:
         return _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, splits, split_d)
     args = dict(gemm, norm_eps=float(inputs["norm_eps"]), **_routing_args(problem, inputs, config, out))
