@@ -490,12 +490,17 @@ _LOCAL = re.compile(r"^\s*(?:const\s+)?int\s+(?P<name>\w+)\s*=\s*(?P<value>.+);\
 
 def with_locals(header: str, before: list[str]) -> str:
     """A loop header whose bound is a local `int` named alone (`i < count`) with that local's value written in,
-    from its nearest definition among the lines `before` it (TileLang's CUDA C names a pipelined loop's extent)."""
+    from its definition among the lines `before` it (TileLang's CUDA C names a pipelined loop's extent). A local
+    assigned again after its definition (a `T.alloc_var`: `int tiles = 0;` then `tiles = ...;`) keeps its name:
+    its value is data, which the traffic count may give among the sizes."""
     m = _FOR.match(header)
     if m is None or not re.fullmatch(r"[A-Za-z_]\w*", m.group("end").strip()):
         return header
     name = m.group("end").strip()
+    assigned = re.compile(rf"^\s*{name}\s*=[^=]")
     for line in reversed(before):
+        if assigned.match(line):
+            return header
         local = _LOCAL.match(line)
         if local and local.group("name") == name:
             return header.replace(f"< {name};", f"< ({local.group('value')});", 1)

@@ -273,6 +273,14 @@ def test_a_loop_bound_named_by_a_local_takes_the_locals_value():
     assert sass.with_locals("for (int k = 0; k < unknown; ++k) {", before) == "for (int k = 0; k < unknown; ++k) {"
 
 
+def test_a_loop_bound_named_by_a_local_assigned_later_keeps_its_name_for_the_sizes():
+    before = ["  int tiles = 0;", "  int end_1 = end;", "  tiles = (((end_1 + 8191) - start_1) >> 13);"]
+    header = sass.with_locals("for (int t = 0; t < tiles; ++t) {", before)
+    assert header == "for (int t = 0; t < tiles; ++t) {"
+    assert sass.for_extent(header, {"tiles": 3}) == 3
+    assert sass.for_extent(header, {}) is None
+
+
 PHASES = textwrap.dedent("""\
     //--------------------- .text.k            --------------------------
     k:

@@ -10,7 +10,7 @@ import tilelang.language as T
 import torch
 
 from flashkern import registry
-from flashkern.kernels._tilelang import GPU, traffic
+from flashkern.kernels._tilelang import GPU, TileLangKernel, traffic
 from flashkern.kernels._tilelang.traffic import lower_for_traffic, measure
 from flashkern.kernels.build import LaunchTraffic, TensorTraffic
 
@@ -232,6 +232,88 @@ def test_a_loop_over_data_runs_the_bound_the_sizes_give():
                                                                exact=False)
     with pytest.raises(ValueError, match="loop t: its range .* depends on data"):
         measure(_data_bounded_copy(False), args)
+
+
+def _row_prefix_copy():
+    """B[r, :Count[r]] = A[r, :Count[r]] (Count clamped to the row width 4), a CTA per row; the extent is a local."""
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def row_prefix_copy(Count: T.Tensor((R,), "int32"), A: T.Tensor((R, 4), "float32"),
+                        B: T.Tensor((R, 4), "float32")):
+        with T.Kernel(R, threads=32) as row:
+            taken = T.alloc_var("int32", T.max(T.min(Count[row], 4), 0))
+            for t in T.serial(taken):
+                B[row, t] = A[row, t]
+
+    return row_prefix_copy
+
+
+def test_a_loop_over_data_runs_each_ctas_extent_from_the_values_it_starts_with():
+    """Given the values the launch starts with, a loop whose extent reads data runs each CTA's own extent: the count
+    is exact, and the local naming the extent is among the sizes at its largest (the heaviest CTA's trips)."""
+    counts = torch.tensor([0, 3, 1, 9, -2], dtype=torch.int32)  # clamped to [0, 4]: 0 3 1 4 0
+    args = [torch.zeros(5, dtype=torch.int32), torch.zeros(5, 4), torch.zeros(5, 4)]
+    got = measure(_row_prefix_copy(), args, values=lambda: [counts, None, None])
+    assert got == _traffic(5, 5 * 4 + 8 * F32, 8 * F32)
+    assert dict(got.sizes)["taken"] == 4
+    without = measure(_row_prefix_copy(), args)  # no values: the bound the sizes give, 4 per row
+    assert without == _traffic(5, 5 * 4 + 20 * F32, 20 * F32, exact=False)
+
+
+def test_values_are_asked_only_for_a_loop_over_data():
+    def never():
+        raise AssertionError("values asked for a launch with no loop over data")
+
+    n = 8 * TILE
+    assert measure(_tiled_copy(), [torch.zeros(n), torch.zeros(n)], values=never) == _traffic(8, n * F32, n * F32)
+
+
+def test_a_buffer_the_launch_writes_is_not_read_as_data():
+    """Values are what the arguments hold when the launch starts: a count the launch itself updates is unknown
+    while it runs, and its loop keeps the sizes' bound."""
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def consume(Count: T.Tensor((R,), "int32"), A: T.Tensor((R, 4), "float32"), B: T.Tensor((R, 4), "float32")):
+        with T.Kernel(R, threads=32) as row:
+            taken = T.alloc_var("int32", T.max(T.min(Count[row], 4), 0))
+            for t in T.serial(taken):
+                B[row, t] = A[row, t]
+            Count[row] = 0
+
+    counts = torch.ones(5, dtype=torch.int32)
+    got = measure(consume, [counts.clone(), torch.zeros(5, 4), torch.zeros(5, 4)], values=lambda: [counts, None, None])
+    assert got == _traffic(5, 5 * 4 + 20 * F32, 20 * F32 + 5 * 4, exact=False)
+
+
+def _count_then_copy(problem, config, fl):
+    """Two stages: Count[r] = the number of positive A[r, :] (a CTA per row), then row_prefix_copy over them."""
+    R = T.dynamic("R")
+
+    @T.prim_func
+    def count_positive(A: T.Tensor((R, 4), "float32"), Count: T.Tensor((R,), "int32")):
+        with T.Kernel(R, threads=32) as row:
+            found = T.alloc_var("int32", 0)
+            for t in T.serial(4):
+                if A[row, t] > 0:
+                    found = found + 1
+            Count[row] = found
+
+    return count_positive, _row_prefix_copy()
+
+
+def test_a_stage_over_what_an_earlier_stage_wrote_counts_it_from_the_c_flavours_run():
+    """Through a TileLangKernel, a later stage's loop over a count an earlier stage wrote (the split top-k's
+    candidates) is counted with the count the C flavour of the earlier stage computes."""
+    kernel = TileLangKernel(_count_then_copy, lambda problem, inputs, config, fl, out: (
+        [inputs["a"], out[0]], [out[0], inputs["a"], out[1]]))
+    a = torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [1, -1, 1, 1]])  # counts 3 0 3
+    out = (torch.empty(3, dtype=torch.int32), torch.empty(3, 4))
+    counting, copy = kernel.traffic(None, {"a": a}, {}, out)
+    assert counting == _traffic(3, 3 * 4 * F32, 3 * 4)
+    assert copy == _traffic(3, 3 * 4 + 6 * F32, 6 * F32)
+    assert dict(copy.sizes)["taken"] == 3
 
 
 def test_sinkhorn_reads_and_writes_each_matrix_once():

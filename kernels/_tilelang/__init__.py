@@ -377,11 +377,15 @@ class TileLangKernel:
         return BuildReport.merge(self.build_stages_sm90(problem, inputs, config, out))
 
     def traffic(self, problem, inputs, config, out) -> tuple[LaunchTraffic, ...]:
-        """Each stage's global-memory traffic as the GPU flavour's design requests it (kernels/_tilelang/traffic)."""
+        """Each stage's global-memory traffic as the GPU flavour's design requests it (kernels/_tilelang/traffic).
+        A stage whose loop extents read data (a candidate count an earlier stage wrote) is counted with the values
+        its arguments hold when it starts: the C flavour of the earlier stages is run to produce them."""
         funcs = self.programs(problem, config, GPU, self.layout_of(inputs))
         stage_args = self._stage_arguments(problem, inputs, config, GPU, out, len(funcs))
-        return tuple(NO_TRAFFIC if args is None else traffic.measure(func, list(args), self.gpu_pass_configs)
-                     for func, args in zip(funcs, stage_args))
+        earlier = _EarlierStages(self, problem, inputs, config, out, len(funcs))
+        return tuple(NO_TRAFFIC if args is None else
+                     traffic.measure(func, list(args), self.gpu_pass_configs, functools.partial(earlier.values, i))
+                     for i, (func, args) in enumerate(zip(funcs, stage_args)))
 
     def unavailable(self, device) -> str | None:
         """Why this cannot run on `device` (a DeviceInfo), or None."""
@@ -390,6 +394,29 @@ class TileLangKernel:
         if device.capability < self.min_capability:
             return f"needs compute capability {self.min_capability[0]}.{self.min_capability[1]}+"
         return None
+
+
+class _EarlierStages:
+    """What a call's arguments hold when stage i starts: the C flavour's stages before it run (once, in order, each
+    compiled when it first runs) on its own arguments, which correspond to the GPU flavour's position by position."""
+
+    def __init__(self, kernel: TileLangKernel, problem, inputs, config, out, stages: int):
+        self.kernel, self.problem, self.inputs, self.config, self.out, self.stages = (kernel, problem, inputs, config,
+                                                                                      out, stages)
+        self.args = None
+        self.ran = 0
+
+    def values(self, stage: int) -> list:
+        if self.args is None:
+            self.args = self.kernel._stage_arguments(self.problem, self.inputs, self.config, CPU, self.out, self.stages)
+            self.funcs = self.kernel.programs(self.problem, self.config, CPU, self.kernel.layout_of(self.inputs))
+        if stage < self.ran:
+            raise ValueError(f"stage {stage}'s values asked after stage {self.ran - 1} ran")
+        for func, args in zip(self.funcs[self.ran:stage], self.args[self.ran:stage]):
+            if args is not None:
+                self.kernel._compile(func, CPU)(*args)
+        self.ran = stage
+        return [arg if isinstance(arg, torch.Tensor) else None for arg in self.args[stage] or ()]
 
 
 # The traffic counters use this module's records; imported here, not on first use, so that what a kernel's source

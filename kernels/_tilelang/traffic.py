@@ -21,13 +21,23 @@ a loop whose extent depends on outer variables. Guards are counted exactly: thos
 disproves are settled, the rest are evaluated over the grid of the variables they involve (independent groups
 of guards separately). Variables bound once (let bindings, `T.alloc_var` locals assigned once) are substituted.
 
+Data. A loop whose extent reads a parameter buffer (`for t in T.serial(tiles)`, tiles = ceildiv(Counts[m], tile):
+the split top-k's pass over the candidates an earlier stage compacted) asks `values` for what the arguments hold
+when the launch starts (TileLangKernel.traffic runs the C flavour of the earlier stages to produce it) and the walk
+starts again with them: each CTA then runs its own extent, and every guard reading those buffers is evaluated, a
+load at its indices clamped to the tensor. Buffers the launch writes (stores, atomics) stay unknown: their values
+change while it runs. A local alone naming such an extent is reported among the sizes at its largest over the
+CTAs (the heaviest CTA's trips, for the issue count's CUDA C loop bounds: kernels.sass.for_extent).
+
 Where the count is an upper bound (exact=False):
-- a guard that depends on data (reads a buffer, or a local assigned more than once: an early exit, a gather's
-  validity test) is taken as true, except a ticket (an atomic add's return on Counter[blockIdx.k], as a
-  split-K CTA draws to learn whether it arrived last; `_Counter.ticket`), which is its CTA's rank; so is a group of guards whose variables span more than MAX_ENUMERATED points;
-- a loop whose extent depends on data (`for t in range(tiles[0])`, tiles computed from a tensor read) runs the
-  largest extent the analyzer can bound it by from the sizes (min(Ends[b], W) -> W); a loop it cannot bound
-  (only the data type limits it) raises ValueError naming the loop, and so does a while loop.
+- a guard that depends on data it does not have (reads a buffer whose values it was not given or that the launch
+  writes, or a local assigned more than once: an early exit, a gather's validity test) is taken as true, except a
+  ticket (an atomic add's return on Counter[blockIdx.k], as a split-K CTA draws to learn whether it arrived last;
+  `_Counter.ticket`), which is its CTA's rank; so is a group of guards whose variables span more than
+  MAX_ENUMERATED points;
+- without values, a loop whose extent depends on data runs the largest extent the analyzer can bound it by from
+  the sizes (min(Ends[b], W) -> W); a loop it cannot bound (only the data type limits it) raises ValueError naming
+  the loop, and so does a while loop.
 Counts are per element a CTA requests, as in Triton's count (kernels/_triton/traffic): a thread binding that
 neither the address nor a guard involves does not multiply it, so a value every thread of a CTA loads (a scalar
 read outside T.Parallel, a broadcast element) counts once per CTA; no rounding to sectors, no coalescing, no L2
@@ -46,6 +56,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import tvm
 from tvm import arith, tirx
 from tvm.tirx import expr as E
@@ -76,19 +87,61 @@ def lower_for_traffic(prim_func, pass_configs: dict | None = None) -> tirx.PrimF
     return _LOWERED[key]
 
 
-def measure(prim_func, args: list, pass_configs: dict | None = None) -> LaunchTraffic:
+def measure(prim_func, args: list, pass_configs: dict | None = None, values=None) -> LaunchTraffic:
     """Global-memory traffic of launching the GPU-flavour `prim_func` on `args` (tensors and scalars, in parameter
-    order, as the kernel would be called; nothing is launched, so CPU tensors do)."""
+    order, as the kernel would be called; nothing is launched, so CPU tensors do).
+
+    values: None, or a callable returning what each argument holds when the launch starts (a tensor, or None where
+    unknown; the earlier stages of the call having run), called only if a loop's extent reads data."""
     func = lower_for_traffic(prim_func, pass_configs)
     sizes = _size_bindings(func, args)
     body = tirx.stmt_functor.substitute(func.body, sizes)
-    counter = _Counter([func.buffer_map[p] for p in func.params if p in func.buffer_map], _assigned_once(body))
-    counter.stmt(body)
+    buffers = [func.buffer_map[p] for p in func.params if p in func.buffer_map]
+    counter = _Counter(buffers, _assigned_once(body), needs_data=values is not None)
+    try:
+        counter.stmt(body)
+    except _NeedsData:
+        counter = _Counter(buffers, _assigned_once(body), arrays=_arrays(func, values(), _written(body, buffers)))
+        counter.stmt(body)
     return LaunchTraffic(ctas=counter.ctas, bytes_read=counter.bytes_read, bytes_written=counter.bytes_written,
                          sampled=counter.ctas, exact=counter.exact,
                          tensors=_per_tensor(func, args, counter.per_buffer, counter.shared),
                          sizes=tuple(sorted([(var.name, int(value.value)) for var, value in sizes.items()]
-                                            + list(counter.grid.items()))))
+                                            + list(counter.grid.items()) + list(counter.data_sizes.items()))))
+
+
+class _NeedsData(Exception):
+    """A loop's extent reads data: the count starts again with the values of the arguments."""
+
+
+def _written(body, buffers: list) -> set:
+    """Data pointers of the parameter buffers the program may write (stores, and pointers handed to intrinsics or
+    taken with address_of, which may be atomics): their values change while it runs."""
+    globals_ = {buffer.data for buffer in buffers}
+    written: set = set()
+
+    def visit(node):
+        if isinstance(node, S.BufferStore) and node.buffer.data in globals_:
+            written.add(node.buffer.data)
+        elif isinstance(node, E.Call) and _op_name(node) == "tirx.tvm_access_ptr" and node.args[4].value & 2:
+            written.add(node.args[1])
+        elif isinstance(node, E.Call) and _op_name(node) == "tirx.address_of":
+            written.add(node.args[0].buffer.data)
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    return written & globals_
+
+
+def _arrays(func: tirx.PrimFunc, values: list, written: set) -> dict:
+    """Parameter buffer data pointer -> the numpy array of what its argument holds, for the tensors `values` gives
+    of the buffer's type and rank (a bf16 buffer's values stay unknown) that the program does not write."""
+    arrays = {}
+    for param, value in zip(func.params, values):
+        buffer = func.buffer_map.get(param)
+        if (buffer is not None and value is not None and buffer.data not in written and value.dim() == len(buffer.shape)
+                and str(value.dtype).removeprefix("torch.") == str(buffer.dtype) and value.dtype != torch.bfloat16):
+            arrays[buffer.data] = value.detach().cpu().numpy()
+    return arrays
 
 
 def _per_tensor(func, args: list, per_buffer: dict, shared: dict) -> tuple[TensorTraffic, ...]:
@@ -190,9 +243,12 @@ _NEVER = _Guard(tirx.const(False, "bool"))  # a guard the analyzer disproves: th
 class _Counter:
     """Walks a lowered program in execution order, adding up the bytes of its global accesses."""
 
-    def __init__(self, buffers: list, assigned_once: set):
+    def __init__(self, buffers: list, assigned_once: set, *, needs_data: bool = False, arrays: dict | None = None):
         self.globals = {buffer.data: buffer for buffer in buffers}
         self.assigned_once = assigned_once
+        self.needs_data = needs_data  # raise _NeedsData at a loop whose extent reads data
+        self.arrays = arrays or {}  # parameter buffer data pointer -> what it holds (numpy), where known
+        self.data_sizes: dict = {}  # a local in a data-dependent loop extent (by name) -> its largest value
         self.analyzer = arith.Analyzer()
         self.dims: dict = {}  # Var -> _Dim, the variables in scope
         self.threads: set = set()  # the threadIdx variables
@@ -269,8 +325,12 @@ class _Counter:
         self.expr(node.min)
         self.expr(node.extent)
         var, start, extent = node.loop_var, self.resolve(node.min), self.resolve(node.extent)
-        lo = self.limit(start, var, least=True)
-        hi = self.limit(start + extent - 1, var, least=False)
+        if self.needs_data and _reads(start + extent, self.globals):
+            raise _NeedsData
+        lo = self.span(start, var, least=True)
+        hi = self.span(start + extent - 1, var, least=False)
+        if _reads(start + extent, self.globals):
+            self.record_locals(node.extent)
         if hi < lo:
             return
         conditions = [start <= var, var < start + extent]
@@ -456,7 +516,7 @@ class _Counter:
             del self.guards[depth:]
 
     def guard(self, conjunct) -> _Guard:
-        variables = _evaluable_variables(conjunct)
+        variables = _evaluable_variables(conjunct, self.arrays)
         if variables is None or any(v not in self.dims for v in variables):
             return _Guard(conjunct, None)
         if self.analyzer.can_prove(tirx.Not(conjunct)):
@@ -495,6 +555,41 @@ class _Counter:
         if not isinstance(value, tirx.IntImm):
             raise ValueError(f"{what} is not a constant once the sizes are bound: {value}")
         return value.value
+
+    def span(self, expr, loop, least: bool) -> int:
+        """The least (or greatest) value `expr` takes in scope: over the values of the data it reads where they are
+        known, else limit()'s bound."""
+        values = self.enumerated(expr)
+        if values is None:
+            return self.limit(expr, loop, least)
+        return int(values.min() if least else values.max())
+
+    def enumerated(self, expr):
+        """`expr`'s values over every point of the variables in scope it reads (numpy), where it reads known data and
+        no more than MAX_ENUMERATED points; else None."""
+        variables = _evaluable_variables(expr, self.arrays)
+        if not _reads(expr, self.arrays) or variables is None or any(v not in self.dims for v in variables):
+            return None
+        dims = [self.dims[v] for v in variables]
+        if math.prod(dim.size for dim in dims) > MAX_ENUMERATED:
+            return None
+        coords = np.meshgrid(*(np.arange(dim.lo, dim.lo + dim.size) for dim in dims), indexing="ij")
+        return np.asarray(_evaluate(expr, dict(zip(variables, coords)), self.arrays))
+
+    def record_locals(self, extent):
+        """data_sizes[name] of the assign-once local a data-dependent loop extent reads, where it reads one (`for t in
+        T.serial(tiles)`): its largest value over the CTAs, the heaviest CTA's trips, for the issue count (which
+        evaluates the CUDA C loop bound with the sizes, kernels.sass.for_extent). An extent combining several
+        locals records none: the largest of each would not bound their combination."""
+        locals_ = []
+        tirx.stmt_functor.post_order_visit(extent, lambda node: locals_.append(node) if isinstance(
+            node, E.BufferLoad) and node.buffer.data in self.held else None)
+        if len({load.buffer.data for load in locals_}) != 1:
+            return
+        values = self.enumerated(self.held[locals_[0].buffer.data])
+        if values is not None:
+            name = locals_[0].buffer.name
+            self.data_sizes[name] = max(self.data_sizes.get(name, 0), int(values.max()))
 
     def limit(self, expr, loop, least: bool) -> int:
         """The least (or greatest) value `expr` takes in scope; from the sizes alone where it depends on data."""
@@ -548,9 +643,17 @@ class _Counter:
             grid = {dim.var: coord + dim.lo for dim, coord in zip(dims, coords)}
             held = np.ones(len(flat), dtype=bool)
             for guard in group:
-                held &= np.broadcast_to(_evaluate(guard.condition, grid), held.shape).astype(bool)
+                held &= np.broadcast_to(_evaluate(guard.condition, grid, self.arrays), held.shape).astype(bool)
             satisfied += int(np.count_nonzero(held))
         return satisfied
+
+
+def _reads(expr, buffers) -> bool:
+    """Whether `expr` loads from a buffer whose data pointer is in `buffers`."""
+    found = []
+    tirx.stmt_functor.post_order_visit(
+        expr, lambda node: found.append(node) if isinstance(node, E.BufferLoad) and node.buffer.data in buffers else None)
+    return bool(found)
 
 
 def _first_lane(expr):
@@ -570,19 +673,23 @@ def _conjuncts(condition) -> list:
     return [condition]
 
 
-def _evaluable_variables(expr) -> list | None:
+def _evaluable_variables(expr, arrays: dict | None = None) -> list | None:
     """The variables `expr` reads, in first-use order; None when `_evaluate` cannot evaluate it (it reads a
-    buffer, or calls something other than integer arithmetic)."""
+    buffer other than those `arrays` holds the values of, or calls something other than integer arithmetic)."""
     found: dict = {}
     evaluable = True
+    arrays = arrays or {}
 
     def visit(node):
         nonlocal evaluable
-        if isinstance(node, E.Var):
-            found[node] = None
+        if isinstance(node, E.BufferLoad):
+            evaluable &= node.buffer.data in arrays
+        elif isinstance(node, E.Var):
+            if node not in arrays:
+                found[node] = None
         elif isinstance(node, E.Call):
             evaluable &= _op_name(node) in _NUMPY_CALLS
-        elif not isinstance(node, (E.IntImm, E.FloatImm, E.Not, E.Select, E.Cast, *_NUMPY_BINARY)):
+        elif not isinstance(node, (E.IntImm, E.FloatImm, E.Not, E.Select, E.Cast, E.BufferLoad, *_NUMPY_BINARY)):
             evaluable = False
 
     tirx.stmt_functor.post_order_visit(expr, visit)
@@ -622,24 +729,31 @@ _NUMPY_CALLS = {
 }
 
 
-def _evaluate(node, grid: dict):
-    """An integer / boolean expression over grid variables (numpy arrays), evaluated elementwise."""
+def _evaluate(node, grid: dict, arrays: dict | None = None):
+    """An integer / boolean expression over grid variables (numpy arrays), evaluated elementwise; a load from a
+    buffer `arrays` holds (data pointer -> numpy array) reads it, its indices clamped to the array's bounds (every
+    lane is evaluated, including those a condition around the load would skip)."""
     if isinstance(node, (E.IntImm, E.FloatImm)):
         return node.value
     if isinstance(node, E.Var):
         return grid[node]
+    if isinstance(node, E.BufferLoad):
+        array = arrays[node.buffer.data]
+        indices = [np.clip(np.asarray(_evaluate(index, grid, arrays), dtype=np.int64), 0, size - 1)
+                   for index, size in zip(node.indices, array.shape)]
+        return array[tuple(np.broadcast_arrays(*indices))]
     if type(node) in _NUMPY_BINARY:
         if isinstance(node, E.Div) and not str(node.dtype).startswith(("int", "uint")):
-            return np.true_divide(_evaluate(node.a, grid), _evaluate(node.b, grid))
-        return _NUMPY_BINARY[type(node)](_evaluate(node.a, grid), _evaluate(node.b, grid))
+            return np.true_divide(_evaluate(node.a, grid, arrays), _evaluate(node.b, grid, arrays))
+        return _NUMPY_BINARY[type(node)](_evaluate(node.a, grid, arrays), _evaluate(node.b, grid, arrays))
     if isinstance(node, E.Not):
-        return np.logical_not(_evaluate(node.a, grid))
+        return np.logical_not(_evaluate(node.a, grid, arrays))
     if isinstance(node, E.Select):
-        return np.where(*(_evaluate(x, grid) for x in (node.condition, node.true_value, node.false_value)))
+        return np.where(*(_evaluate(x, grid, arrays) for x in (node.condition, node.true_value, node.false_value)))
     if isinstance(node, E.Cast):
-        value = _evaluate(node.value, grid)
+        value = _evaluate(node.value, grid, arrays)
         return np.asarray(value).astype(bool if node.dtype == "bool" else np.float64 if "float" in node.dtype
                                         else np.int64)
     if isinstance(node, E.Call) and _op_name(node) in _NUMPY_CALLS:
-        return _NUMPY_CALLS[_op_name(node)](*(_evaluate(arg, grid) for arg in node.args))
+        return _NUMPY_CALLS[_op_name(node)](*(_evaluate(arg, grid, arrays) for arg in node.args))
     raise AssertionError(f"not evaluable: {node}")  # _evaluable_variables admits only the forms above

@@ -81,6 +81,8 @@ class TopkProblem(SizedProblem):
 
 
 SPLIT_CTAS = SMS  # CTAs a split selection's passes aim for: one an SM
+SPLIT_FROM = 1 << 15  # positions per row from which both DSLs' GPU defaults split rows (shorter: the split's three
+#                      launches cost more latency than one CTA's passes, Triton model 8.6 against 7.6 us at 8K)
 
 
 def split_chunk(rows: int, width: int, max_chunks: int, tile: int) -> int:

@@ -49,7 +49,7 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.indexer.problem import CandidateProblem, TopkProblem, split_chunk
+from flashkern.kernels.indexer.problem import SPLIT_FROM, CandidateProblem, TopkProblem, split_chunk
 
 RADIX_BITS = 8
 BINS = 1 << RADIX_BITS
@@ -181,14 +181,14 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
         above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
         equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
         thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
-        tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
+        gather_tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))  # named apart from select's (CUDA C names)
         for c0 in T.serial(T.ceildiv(k, threads)):
             for th in fl.parallel(threads):
                 if (c0 * threads + th < k) & (c0 * threads + th >= state[2]):
                     Dst[d, base + c0 * threads + th] = -1
         above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
         equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
-        for t in T.serial(tiles):
+        for t in T.serial(gather_tiles):
             if above + T.min(equal, state[1]) < state[2]:
                 for th in fl.parallel(threads):
                     mine[th] = 0
@@ -372,9 +372,10 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
             end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
             lo = T.alloc_var("int32", T.max(start, c * chunk))
             hi = T.alloc_var("int32", T.max(T.min(end, c * chunk + chunk), lo))
+            tiles = T.alloc_var("int32", T.ceildiv(hi - lo, tile))
             for w, b in fl.parallel(warps, BINS):
                 hist[w, b] = 0
-            for t in T.serial(T.ceildiv(hi - lo, tile)):
+            for t in T.serial(tiles):
                 for th in fl.parallel(threads):
                     for j in T.serial(items):
                         n = lo + t * tile + j * threads + th
@@ -594,17 +595,15 @@ TOPK_SPACE = Space(
 
 
 def topk_default(problem: TopkProblem) -> dict:
-    """A block per row, its width growing with the row: 256 threads below 8K positions, 1024 from 64K.
-
-    Rows stay in one CTA (chunks 1) on GPU too, for now: the model cannot yet bound the split's passes, whose tile
-    loops run to data-dependent chunk ends (it counts each CTA walking the whole row: 709 against 250 us at one row
-    of 512K); the split is in the space for tuning, and its configs are tested directly."""
-    chunks = {"chunks": 1}
-    if problem.positions >= 1 << 16:
-        return {"threads": 1024, "items": 8, **chunks}
+    """A block per row below SPLIT_FROM positions (256 threads below 8K, 512 from 8K); longer rows split over up to
+    64 CTAs each (split_chunk: about one CTA an SM in all) on 512 threads, whose candidate pass (a CTA per row over
+    what the compaction kept) is bound by its per-pass overhead: 512 threads model faster than 1024 (H200 model, 16
+    rows of 512K: 95.6 against 115.6 us; one row: 31.1 against 53.7; one CTA per row: see docs/model-h200.md)."""
+    if problem.positions >= SPLIT_FROM:
+        return {"threads": 512, "items": 8, "chunks": 64}
     if problem.positions >= 1 << 13:
-        return {"threads": 512, "items": 8, **chunks}
-    return {"threads": 256, "items": 4, **chunks}
+        return {"threads": 512, "items": 8, "chunks": 1}
+    return {"threads": 256, "items": 4, "chunks": 1}
 
 
 # ---------------------------------------------------------------- candidate_blocks

@@ -42,7 +42,7 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch
-from flashkern.kernels.indexer.problem import TopkProblem, split_chunk
+from flashkern.kernels.indexer.problem import SPLIT_FROM, TopkProblem, split_chunk
 
 NAN_KEY = tl.constexpr(-(2**31))  # the lowest int32: NaN ranks below every number
 NEG_INF_KEY = tl.constexpr(-2139095041)  # order key of -inf: 0xFF800000 with its magnitude bits flipped
@@ -536,10 +536,6 @@ def _rank_tiles(k: int, config) -> tuple[int, int]:
         return min(k_pad, 1024), min(k_pad, 1024)
     block_j = min(k_pad, 256)
     return max(1, min(k_pad, _values_budget(config) * _threads(config) // block_j)), block_j
-
-
-SPLIT_FROM = 32768  # positions per row from which the GPU default splits rows (shorter: the split's three
-#                    launches cost more latency than one CTA's passes, model 8.6 against 7.6 us at 8K)
 
 
 def topk_default(problem) -> dict:
