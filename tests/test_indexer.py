@@ -662,3 +662,50 @@ def test_sparse_key_gather_is_16_byte_cp_async_only_where_k_rows_are_aligned():
         select = tilelang_logits.sparse_select_program(problem, config, GPU, aligned)
         census = build_sm90(select).census
         assert (census.cp_async > 0) == aligned, (aligned, census)
+
+
+def test_tilelang_first_digit_bins_and_lowest_keys_agree():
+    """The TileLang split selection's first digit (counted by pass 1) and the lowest key of each digit (compared by
+    pass 2) agree at every bin edge: digit(lowest(d)) >= d > digit(lowest(d) - 1); the digit never falls as the key
+    rises (specials, bin edges and random keys sorted); bins are quarter octaves (1, 1.25, .. 2 consecutive)."""
+    import tilelang.language as T
+
+    from flashkern.kernels._tilelang import compile_cpu
+    from flashkern.kernels.indexer import tilelang_topk as tk
+
+    n = T.dynamic("N")
+
+    @T.prim_func
+    def digits(Keys: T.Tensor((n,), "int32"), Digits: T.Tensor((n,), "int32"), Lowest: T.Tensor((256,), "int32")):
+        with T.Kernel(1, threads=1):
+            for i in T.serial(n):
+                Digits[i] = tk.first_digit(Keys[i])
+            for d in T.serial(256):
+                Lowest[d] = tk.lowest_key_of_digit(d)
+
+    kernel = compile_cpu(digits)
+
+    def key(values):  # the kernels' int32 key: the reference's int64 one less 1 (it lifts numbers above NaN's)
+        return torch.where(torch.isnan(values), ref.order_keys(values), ref.order_keys(values) - 1)
+
+    def run(keys):
+        keys = keys.to(torch.int32).contiguous()
+        out, lowest = torch.empty_like(keys), torch.empty(256, dtype=torch.int32)
+        kernel(keys, out, lowest)
+        return out, lowest
+
+    _, lowest = run(torch.zeros(1))
+    values = torch.tensor([float("nan"), -float("inf"), -3e38, -2.0**17, -1.0, -2.0**-15, -1e-30, -0.0, 0.0, 1e-30,
+                           2.0**-15, 1.0, 1.25, 1.5, 1.75, 2.0, 2.0**17, 3e38, float("inf")])
+    keys = torch.cat([key(values), key(torch.randn(4096) * 2.0 ** torch.randint(-20, 20, (4096,))),
+                      lowest.long(), (lowest.long() - 1).clamp(min=-(2**31))]).long()
+    found, _ = run(torch.sort(keys).values)
+    assert bool((found[1:] >= found[:-1]).all()), "the first digit falls as the key rises"
+    at, below = run(lowest)[0], run((lowest.long() - 1).clamp(min=-(2**31)))[0]
+    d = torch.arange(256, dtype=torch.int32)
+    assert bool((at >= d).all()), [int(x) for x in torch.nonzero(at < d)]
+    assert bool((below[1:] < d[1:]).all()), [int(x) + 1 for x in torch.nonzero(below[1:] >= d[1:])]
+    quarter = run(key(torch.tensor([1.0, 1.25, 1.5, 1.75, 2.0])))[0]
+    assert quarter.tolist() == list(range(int(quarter[0]), int(quarter[0]) + 5)), quarter
+    assert run(key(torch.tensor([float("nan"), -float("inf"), -0.0, 0.0, float("inf")])))[0].tolist() == [
+        0, 0, 127, 128, 255]

@@ -525,7 +525,7 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
     st = _Storage(problem.indexer, fl)
     tile = _TileMacros(st, 1, BN, aligned).tile
     select, gather = tilelang_topk.selection_macros(
-        fl, THREADS, max(1, SPAN // THREADS), lambda scores, m, n: tilelang_topk.order_key(scores[m, n]),
+        fl, THREADS, max(1, SPAN // THREADS), lambda scores, m, n: T.reinterpret(scores[m, n], "int32"),
         tilelang_topk.dropping(True), tilelang_topk.mapping(0))
     H = st.heads
     M, N, NB = T.dynamic("M"), T.dynamic("N"), T.dynamic("NB")
@@ -551,6 +551,7 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
             chosen = fl.shared((1, KEEP), "int32")  # span slots taken, ascending
             listed = fl.shared((2,), "int32")  # some slot of the tile, of the span, has a candidate block
             state = T.alloc_local((3,), "int32")  # the select's thr, budget, valid
+            keys = fl.fragment((THREADS, max(1, SPAN // THREADS)), "int32")  # the span's keys
             for r in fl.parallel(1):  # clamped to [0, N]: NO_POSITION and positions past the keys are never visible
                 bounds[r, 0] = T.max(Ks[m], 0)
                 bounds[r, 1] = T.min(Ke[m], N)
@@ -574,8 +575,8 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
                     for n in fl.parallel(BN):
                         span_scores[0, t * BN + n] = -T.infinity("float32")
             if KEEP < SPAN:
-                select(span_scores, 0, 0, SPAN, KEEP, state)
-                gather(span_scores, 0, 0, SPAN, KEEP, state, Blocks, chosen, 0)
+                select(span_scores, 0, 0, SPAN, KEEP, state, keys)
+                gather(span_scores, 0, 0, SPAN, KEEP, state, Blocks, chosen, 0, keys, True)
             else:  # the span keeps every eligible slot where it is (the merge drops -inf and NaN)
                 state[2] = KEEP * listed[1]
                 for i in fl.parallel(KEEP):

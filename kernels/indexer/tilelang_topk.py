@@ -63,22 +63,74 @@ WARP = 32  # threads a pass-1 sub-histogram counts for
 
 def order_key(value):
     """int32 key of a fp32 value: signed order = rank order, NaN lowest (told by its bits: `x == x` folds to true)."""
-    bits = T.reinterpret(value, "int32")
+    return key_of_bits(T.reinterpret(value, "int32"))
+
+
+def key_of_bits(bits):
+    """order_key of the fp32 value whose bits are `bits` (int32). It names `bits` three times: pass a register, not a
+    load, where the expression is not already one (load_tile)."""
     return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
 
 
 def first_digit(key):
-    """The split selection's radix digit: the top 8 bits of a key's unsigned-order form."""
-    return ((key ^ SIGN_BIT) >> (32 - RADIX_BITS)) & (BINS - 1)
+    """The split selection's first digit of a key: quarter-octave bins of |x| in [2^-15, 2^17) (the exponent's low 5
+    bits and the top two mantissa bits), smaller magnitudes at the middle (127: -0 to -2^-15, 128: +0 to 2^-15),
+    larger at the ends (255: 2^17 to +inf; 0: -inf, NaN and below -2^17). Non-decreasing in the key, so the keys at or
+    above the rank-th largest have digits at or above its; with integer ops only, where TensorRT-LLM rounds to fp16
+    for the same bins. m = the key's 10 bits below the sign (exponent, two mantissa bits; flipped when negative)."""
+    m = (key & 0x7FFFFFFF) >> 21
+    return T.if_then_else(key >= 0, 128 + T.min(T.max(m - 448, 0), 127), 127 - T.min(T.max(575 - m, 0), 127))
 
 
-def _inclusive_scan(fl: Flavour, size: int, reverse: bool):
-    """In-place inclusive prefix (suffix when reverse) sums of int32 [size]: T.cumsum on GPU, a loop on CPU."""
+def lowest_key_of_digit(digit):
+    """The lowest key whose first_digit is >= digit (0 .. 255), so that a compaction compares keys: NaN's for digit 0
+    (every key), +0's for 128, else the first key of the bin's 10-bit prefix."""
+    return T.if_then_else(digit >= 128, T.if_then_else(digit == 128, 0, (digit + 320) << 21),
+                          T.if_then_else(digit == 0, SIGN_BIT, SIGN_BIT | ((digit + 448) << 21)))
+
+
+def _inclusive_scan(fl: Flavour, size: int, reverse: bool, threads: int):
+    """scan(buf): in place, the inclusive prefix (suffix when reverse) sums of int32 buf[size], by a CTA of `threads`.
+
+    GPU: thread th sums the `per` = ceil(size / threads) entries th x per .. of the scan order (a running sum, kept
+    in place), a warp's threads scan their sums by shuffles (lane l adds lane l - 2^s's, s = 0 .. 4), the warps'
+    totals meet in shared memory and each entry adds the sums of the threads before its own (lane l reads warp l's
+    total, a butterfly sums them over the warp): every warp works, two barriers (T.cumsum, a single warp walking 32
+    entries at a time, serializes the scan). CPU: a serial loop."""
+    per, warps = -(-size // threads), max(1, threads // WARP)
+
+    def at(i):
+        return size - 1 - i if reverse else i
 
     @T.macro
     def scan(buf):
         if fl.on_gpu:
-            T.cumsum(buf, dim=0, reverse=reverse)
+            own = T.alloc_fragment((threads,), "int32")  # the sum of a thread's entries
+            ahead = T.alloc_fragment((threads,), "int32")  # the sums up to its thread: over its warp, then the CTA
+            shifted = T.alloc_fragment((threads,), "int32")  # a shuffle's result (every lane shuffles)
+            warp_sum = T.alloc_shared((warps,), "int32")
+            for th in T.Parallel(threads):
+                own[th] = 0
+                for i in T.unroll(per):
+                    if th * per + i < size:
+                        own[th] = own[th] + buf[at(th * per + i)]
+                        buf[at(th * per + i)] = own[th]
+                ahead[th] = own[th]
+                for s in T.unroll(5):
+                    shifted[th] = T.shfl_up(ahead[th], 1 << s)
+                    if th % WARP >= (1 << s):
+                        ahead[th] = ahead[th] + shifted[th]
+                if th % WARP == WARP - 1:
+                    warp_sum[th // WARP] = ahead[th]
+            for th in T.Parallel(threads):  # + the totals of the warps before: lane l reads warp l's, a warp sum
+                shifted[th] = T.if_then_else(th % WARP < T.min(th // WARP, warps), warp_sum[T.min(th % WARP, warps - 1)],
+                                             0)
+                for s in T.unroll(5):
+                    shifted[th] = shifted[th] + T.shfl_xor(shifted[th], 1 << s)
+                ahead[th] = ahead[th] + shifted[th]
+                for i in T.unroll(per):
+                    if th * per + i < size:
+                        buf[at(th * per + i)] = buf[at(th * per + i)] + ahead[th] - own[th]
         elif reverse:
             for i in T.serial(size - 1):
                 buf[size - 2 - i] = buf[size - 2 - i] + buf[size - 1 - i]
@@ -105,26 +157,51 @@ def mapping(map_block: int):
         lambda blocks, m, n: n)
 
 
-def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, mapped):
-    """The top-k stage's two steps as macros over positions [start, end) of row m of a source Src, whose int32 key
-    at position n is key_at(Src, m, n) (eligible(key, also) and mapped(Blocks, m, n) as dropping and mapping):
-
-      select(Src, m, start, end, k, state): the radix select; state, an int32 [3] local buffer, receives
-          (thr, budget, valid): take the keys > thr and the first `budget` keys == thr, valid = min(#eligible, k);
-      gather(Src, m, start, end, k, state, Blocks, Dst, d, base=0): writes Dst[d, base .. base + k) = the taken
-          positions (mapped) in ascending order, then -1 (the split's compaction: k = 0, no padding).
-
-    Src and Blocks are whatever key_at and mapped take: a tensor, or a tuple of them (the split's candidates).
-    """
+def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool = True):
+    """load(Src, m, start, end, t, keys): keys[th, j] <- the order key at position n of tile t of [start, end),
+    n = start + t x tile + th x items + j (contiguous: a thread's items adjacent, the gather's order) or
+    start + t x tile + j x threads + th (coalesced), 0 past end. bits_at(Src, m, n) is the int32 bits of the fp32
+    value at n: one load, then the key from the register (order_key of a load would load it three times)."""
     tile = threads * items
-    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
-    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+
+    def position(start, t, th, j):
+        return start + t * tile + (th * items + j if contiguous else j * threads + th)
 
     @T.macro
-    def select(Src, m, start, end, k, state):
+    def load(Src, m, start, end, t, keys):
+        for th in fl.parallel(threads):
+            for j in T.unroll(items):
+                keys[th, j] = T.if_then_else(position(start, t, th, j) < end, bits_at(Src, m, position(start, t, th, j)),
+                                             0)
+                keys[th, j] = key_of_bits(keys[th, j])
+
+    return load, position
+
+
+def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, mapped):
+    """The top-k stage's two steps as macros over positions [start, end) of row m of a source Src, whose fp32 value
+    at position n has the int32 bits bits_at(Src, m, n) (eligible(key, also) and mapped(Blocks, m, n) as dropping and
+    mapping), in tiles of threads x items positions (a thread's `items` adjacent); keys, a fragment int32
+    [threads, items], holds a tile's keys in registers:
+
+      select(Src, m, start, end, k, state, keys): the radix select; state, an int32 [3] local buffer, receives
+          (thr, budget, valid): take the keys > thr and the first `budget` keys == thr, valid = min(#eligible, k).
+          A row of one tile is loaded once: its keys stay in `keys` across the passes (and for the gather);
+      gather(Src, m, start, end, k, state, Blocks, Dst, d, keys, loaded, base=0): writes Dst[d, base .. base + k) =
+          the taken positions (mapped) in ascending order, then -1 (the split's compaction: k = 0, no padding);
+          loaded: whether a select over the same [start, end) ran before (a one-tile row's keys are in `keys`).
+
+    Src and Blocks are whatever bits_at and mapped take: a tensor, or a tuple of them (the split's candidates).
+    """
+    tile = threads * items
+    prefix_sums = _inclusive_scan(fl, threads, False, threads)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, True, threads)
+    load, position = tile_loader(fl, threads, items, bits_at)
+
+    @T.macro
+    def select(Src, m, start, end, k, state, keys):
         hist = fl.shared((BINS + 1,), "int32")  # digit counts (the last stays 0), then keys in the bins >= each
         chosen = fl.shared((1,), "int32")  # the digit of the k-th largest key
-        tile_keys = fl.fragment((tile,), "int32")  # the keys of a tile's positions, each computed once
         tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))
         wanted = T.alloc_var("int32", k)  # keys still to take inside the current prefix
         prefix = T.alloc_var("int32", 0)  # digits fixed so far (sign-flipped key bits) ...
@@ -142,12 +219,13 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
                 for b in fl.parallel(BINS + 1):
                     hist[b] = 0
                 for t in T.serial(tiles):
-                    for i in fl.parallel(tile):
-                        n = start + t * tile + i
-                        if n < end:
-                            tile_keys[i] = key_at(Src, m, n)
-                            if eligible(tile_keys[i], ((tile_keys[i] ^ SIGN_BIT) & fixed) == prefix):
-                                T.atomic_add(hist[((tile_keys[i] ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
+                    if (p == 0) | (tiles > 1):  # a one-tile row stays in registers after the first pass
+                        load(Src, m, start, end, t, keys)
+                    for th in fl.parallel(threads):
+                        for j in T.unroll(items):
+                            if eligible(keys[th, j], (position(start, t, th, j) < end)
+                                        & (((keys[th, j] ^ SIGN_BIT) & fixed) == prefix)):
+                                T.atomic_add(hist[((keys[th, j] ^ SIGN_BIT) >> shift) & (BINS - 1)], 1)
                 suffix_sums(hist)
                 for b in fl.parallel(BINS):  # the one bin where the count from the top reaches `wanted`
                     if (hist[b] >= wanted) & (hist[b + 1] < wanted):
@@ -175,12 +253,11 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
         state[2] = valid
 
     @T.macro
-    def gather(Src, m, start, end, k, state, Blocks, Dst, d, base=0):
+    def gather(Src, m, start, end, k, state, Blocks, Dst, d, keys, loaded, base=0):
         counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
         mine = fl.fragment((threads,), "int32")  # a thread's packed count
         above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
         equal_at = fl.fragment((threads,), "int32")  # keys == thr before it
-        thread_key = fl.fragment((threads,), "int32")  # a thread's key at its current position
         gather_tiles = T.alloc_var("int32", T.ceildiv(end - start, tile))  # named apart from select's (CUDA C names)
         for c0 in T.serial(T.ceildiv(k, threads)):
             for th in fl.parallel(threads):
@@ -190,31 +267,32 @@ def selection_macros(fl: Flavour, threads: int, items: int, key_at, eligible, ma
         equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
         for t in T.serial(gather_tiles):
             if above + T.min(equal, state[1]) < state[2]:
+                if loaded:
+                    if gather_tiles > 1:
+                        load(Src, m, start, end, t, keys)
+                else:
+                    load(Src, m, start, end, t, keys)
                 for th in fl.parallel(threads):
                     mine[th] = 0
-                    for j in T.serial(items):
-                        n = start + t * tile + th * items + j
-                        if n < end:
-                            thread_key[th] = key_at(Src, m, n)
-                            if eligible(thread_key[th], thread_key[th] > state[0]):
-                                mine[th] = mine[th] + 1
-                            elif eligible(thread_key[th], thread_key[th] == state[0]):
-                                mine[th] = mine[th] + EQUAL_UNIT
+                    for j in T.unroll(items):
+                        if position(start, t, th, j) < end:
+                            mine[th] = mine[th] + T.if_then_else(
+                                eligible(keys[th, j], keys[th, j] > state[0]), 1,
+                                T.if_then_else(eligible(keys[th, j], keys[th, j] == state[0]), EQUAL_UNIT, 0))
                     counts[th] = mine[th]
                 prefix_sums(counts)
                 for th in fl.parallel(threads):
                     above_at[th] = base + above + (counts[th] - mine[th]) % EQUAL_UNIT
                     equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
-                    for j in T.serial(items):
-                        n = start + t * tile + th * items + j
-                        if n < end:
-                            thread_key[th] = key_at(Src, m, n)
-                            if eligible(thread_key[th], thread_key[th] > state[0]):
-                                Dst[d, above_at[th] + T.min(equal_at[th], state[1])] = mapped(Blocks, m, n)
+                    for j in T.unroll(items):
+                        if position(start, t, th, j) < end:
+                            if eligible(keys[th, j], keys[th, j] > state[0]):
+                                Dst[d, above_at[th] + T.min(equal_at[th], state[1])] = mapped(
+                                    Blocks, m, position(start, t, th, j))
                                 above_at[th] = above_at[th] + 1
-                            elif eligible(thread_key[th], thread_key[th] == state[0]):
+                            elif eligible(keys[th, j], keys[th, j] == state[0]):
                                 if equal_at[th] < state[1]:
-                                    Dst[d, above_at[th] + equal_at[th]] = mapped(Blocks, m, n)
+                                    Dst[d, above_at[th] + equal_at[th]] = mapped(Blocks, m, position(start, t, th, j))
                                 equal_at[th] = equal_at[th] + 1
                 above = above + counts[threads - 1] % EQUAL_UNIT
                 equal = equal + counts[threads - 1] // EQUAL_UNIT
@@ -238,14 +316,14 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
     eligible, mapped = dropping(drop_neg_inf), mapping(map_block)
     if positions:  # Src = (Values, Positions), Blocks = (Positions, Blocks)
         select, gather = selection_macros(
-            fl, config["threads"], config["items"], lambda src, m, n: order_key(value(src[0][m, src[1][m, n]])),
+            fl, config["threads"], config["items"], lambda src, m, n: T.reinterpret(value(src[0][m, src[1][m, n]]), "int32"),
             eligible, lambda chosen, m, n: mapped(chosen[1], m, chosen[0][m, n]))
     else:
         select, gather = selection_macros(fl, config["threads"], config["items"],
-                                          lambda values, m, n: order_key(value(values[m, n])), eligible, mapped)
+                                          lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"), eligible, mapped)
     blocks_type = row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32")
     if positions:
-        return _candidates_program(config, select, gather, dtype, blocks_type)
+        return _candidates_program(config, fl, select, gather, dtype, blocks_type)
 
     @T.prim_func
     def topk_stage(
@@ -257,16 +335,17 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
     ):
         with T.Kernel(rows, threads=config["threads"]) as m:
             state = T.alloc_local((3,), "int32")  # thr, budget, valid
+            keys = fl.fragment((config["threads"], config["items"]), "int32")  # a tile's keys
             # any int32 starts / ends: the row's positions are [max(start, 0), min(end, W)), empty when start >= end
             start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
             end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
-            select(Values, m, start, end, k, state)  # 1. radix select
-            gather(Values, m, start, end, k, state, Blocks, Out, m)  # 2. gather in ascending tiles
+            select(Values, m, start, end, k, state, keys)  # 1. radix select
+            gather(Values, m, start, end, k, state, Blocks, Out, m, keys, True)  # 2. gather in ascending tiles
 
     return topk_stage
 
 
-def _candidates_program(config: dict, select, gather, dtype: str, blocks_type):
+def _candidates_program(config: dict, fl: Flavour, select, gather, dtype: str, blocks_type):
     """topk_stage_program's kernel over a split's candidate list (positions=True), from its selection macros."""
     rows, width, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("K")
 
@@ -280,9 +359,10 @@ def _candidates_program(config: dict, select, gather, dtype: str, blocks_type):
     ):
         with T.Kernel(rows, threads=config["threads"]) as m:
             state = T.alloc_local((3,), "int32")  # thr, budget, valid
+            keys = fl.fragment((config["threads"], config["items"]), "int32")  # a tile's keys
             end = T.alloc_var("int32", T.max(T.min(Counts[m], width), 0))  # counts[m] <= W: clamped all the same
-            select((Values, Positions), m, 0, end, k, state)
-            gather((Values, Positions), m, 0, end, k, state, (Positions, Blocks), Out, m)
+            select((Values, Positions), m, 0, end, k, state, keys)
+            gather((Values, Positions), m, 0, end, k, state, (Positions, Blocks), Out, m, keys, True)
 
     return topk_candidates
 
@@ -319,7 +399,7 @@ def _publisher(fl: Flavour, threads: int):
     The bins are summed in a loop over max(BINS, threads) with b < BINS guarded: over BINS alone, a CTA of more
     threads would replicate the loop's iterations over its threads, each adding the bin to Total again."""
     warps, span = max(1, threads // WARP), max(BINS, threads)
-    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
+    suffix_sums = _inclusive_scan(fl, BINS + 1, True, threads)
 
     @T.macro
     def publish(Hist, Total, Suffix, m, c):
@@ -342,6 +422,16 @@ def _publisher(fl: Flavour, threads: int):
     return publish
 
 
+def chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts: bool):
+    """(lo, hi): chunk c's columns [lo, hi) of row m's [max(start, 0), min(end, W)) (any int32 starts and ends;
+    empty when start >= end or past the row), as expressions for two T.alloc_var (the traffic model reads loop
+    extents through such named locals)."""
+    start = T.min(T.max(Starts[m], 0), width) if has_starts else 0
+    end = T.max(T.min(Ends[m], width), start)
+    lo = T.max(start, c * chunk)
+    return lo, T.max(T.min(end, c * chunk + chunk), lo)
+
+
 def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = False, bf16: bool = False):
     """Split selection, pass 1 (grid M x C): CTA (m, c) counts first_digit() of the keys of columns
     [max(start, c chunk), min(end, (c + 1) chunk)) of row m and publishes them (_publisher) to Total [M, 256]
@@ -356,6 +446,8 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
     rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
     dtype, value = _values(fl, bf16)
     publish = _publisher(fl, threads)
+    load, position = tile_loader(fl, threads, items, lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"),
+                                 contiguous=False)
 
     @T.prim_func
     def chunk_histogram(
@@ -368,19 +460,19 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
     ):
         with T.Kernel(rows, chunks, threads=threads) as (m, c):  # rows may pass 65535: x
             hist = fl.shared((warps, BINS), "int32")
-            start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
-            end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
-            lo = T.alloc_var("int32", T.max(start, c * chunk))
-            hi = T.alloc_var("int32", T.max(T.min(end, c * chunk + chunk), lo))
+            keys = fl.fragment((threads, items), "int32")  # a tile's keys, positions `threads` apart
+            lo = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[0])
+            hi = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[1])
             tiles = T.alloc_var("int32", T.ceildiv(hi - lo, tile))
             for w, b in fl.parallel(warps, BINS):
                 hist[w, b] = 0
             for t in T.serial(tiles):
+                load(Values, m, lo, hi, t, keys)
                 for th in fl.parallel(threads):
-                    for j in T.serial(items):
-                        n = lo + t * tile + j * threads + th
-                        if n < hi:
-                            T.atomic_add(hist[th // WARP, first_digit(order_key(value(Values[m, n])))], 1)
+                    for j in T.unroll(items):
+                        keys[th, j] = first_digit(keys[th, j])  # in a register: the index stays int32 math
+                        if position(lo, t, th, j) < hi:
+                            T.atomic_add(hist[th // WARP, keys[th, j]], 1)
             publish(hist, Total, Suffix, m, c)
 
     return chunk_histogram
@@ -390,14 +482,17 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                     bf16: bool = False):
     """Split selection, pass 2 (grid M x C, `threads` threads in tiles of threads x items): from Total[m], the first
     digit d of the rank-th largest eligible key, rank = min(k, sum Total[m]); CTA (m, c) writes its chunk's eligible
-    positions whose first digit is >= d, ascending, to Positions[m, offset ..], offset = sum_{c' < c}
-    Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W)."""
+    positions whose key is >= lowest_key_of_digit(d) (whose first digit is >= d), ascending, to Positions[m, offset
+    ..], offset = sum_{c' < c} Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W).
+    Per tile: a thread flags its `items` adjacent positions (keys in registers), counts them, a CTA scan of the
+    counts gives each thread its first slot, and it writes its flagged positions there in order."""
     rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
+    tile = threads * items
     dtype, value = _values(fl, bf16)
-    suffix_sums = _inclusive_scan(fl, BINS + 1, reverse=True)
-    prefix_sums = _inclusive_scan(fl, threads, reverse=False)
-    _, gather = selection_macros(fl, threads, items, lambda values, m, n: order_key(value(values[m, n])),
-                                 dropping(drop_neg_inf), mapping(0))
+    suffix_sums = _inclusive_scan(fl, BINS + 1, True, threads)
+    prefix_sums = _inclusive_scan(fl, threads, False, threads)
+    eligible = dropping(drop_neg_inf)
+    load, position = tile_loader(fl, threads, items, lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"))
 
     @T.prim_func
     def compact(
@@ -415,7 +510,10 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
             hist = fl.shared((BINS + 1,), "int32")  # the row's counts (the last 0), then keys in the bins >= each
             chosen = fl.shared((1,), "int32")
             per_chunk = fl.shared((threads,), "int32")  # candidates of chunks c0 threads .., then their prefix sums
-            state = T.alloc_local((3,), "int32")  # the gather's thr, budget, valid
+            counts = fl.shared((threads,), "int32")  # a tile's flagged positions per thread, then their prefix sums
+            keys = fl.fragment((threads, items), "int32")  # a tile's keys
+            mine = fl.fragment((threads,), "int32")  # a thread's flagged positions in the tile
+            slot = fl.fragment((threads,), "int32")  # where a thread's next flagged position goes
             for b in fl.parallel(BINS + 1):
                 hist[b] = T.if_then_else(b < BINS, Total[m, T.min(b, BINS - 1)], 0)
             suffix_sums(hist)
@@ -424,6 +522,7 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                 if (hist[b] >= rank) & ((hist[b + 1] < rank) | (b == BINS - 1)):
                     chosen[0] = b
             digit = T.alloc_var("int32", chosen[0])
+            low = T.alloc_var("int32", lowest_key_of_digit(digit))
             offset = T.alloc_var("int32", 0)  # candidates in the chunks before c
             kept = T.alloc_var("int32", 0)  # candidates in the row
             for c0 in T.serial(T.ceildiv(chunks, threads)):  # the chunks' candidates, `threads` chunks at a time
@@ -437,16 +536,26 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                 kept = kept + per_chunk[threads - 1]
             if c == 0:
                 Counts[m] = kept
-            start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
-            end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
-            lo = T.alloc_var("int32", T.max(start, c * chunk))
-            hi = T.alloc_var("int32", T.max(T.min(end, c * chunk + chunk), lo))
-            # take the keys >= the lowest key of bin d: > it - 1, or for d = 0 (whose lowest key, NaN's, has no key
-            # below it) > NaN's key and all keys equal to it
-            state[0] = T.if_then_else(digit == 0, SIGN_BIT, ((T.max(digit, 1) << 24) ^ SIGN_BIT) - 1)
-            state[1] = T.if_then_else(digit == 0, Suffix[m, c, digit], 0)
-            state[2] = Suffix[m, c, digit]
-            gather(Values, m, lo, hi, 0, state, Positions, Positions, m, offset)
+            lo = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[0])
+            hi = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[1])
+            chunk_tiles = T.alloc_var("int32", T.ceildiv(hi - lo, tile))
+            for t in T.serial(chunk_tiles):
+                load(Values, m, lo, hi, t, keys)
+                for th in fl.parallel(threads):
+                    mine[th] = 0
+                    for j in T.unroll(items):  # keys -> flags: taken or not
+                        keys[th, j] = T.if_then_else(
+                            eligible(keys[th, j], (position(lo, t, th, j) < hi) & (keys[th, j] >= low)), 1, 0)
+                        mine[th] = mine[th] + keys[th, j]
+                    counts[th] = mine[th]
+                prefix_sums(counts)
+                for th in fl.parallel(threads):
+                    slot[th] = offset + counts[th] - mine[th]
+                    for j in T.unroll(items):
+                        if keys[th, j] == 1:
+                            Positions[m, slot[th]] = position(lo, t, th, j)
+                        slot[th] = slot[th] + keys[th, j]
+                offset = offset + counts[threads - 1]
 
     return compact
 
