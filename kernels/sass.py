@@ -369,7 +369,8 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> t
     (`header_counts`: (file, line) -> executions, as a tracer sees them: a header runs once per trip and once
     more per entry, when the loop ends), else from a CUDA C header's bounds evaluated with `sizes` (name ->
     value: `for (int k = 0; k < ((N + 63) >> 6); ++k)`). A loop entered e times per CTA (its parent's trips, 1 at
-    the top level) that ran h header executions made h - e trips; loops that share a header share its trips. A
+    the top level) that ran h header executions made h - e trips; loops that share a header (the copies nvcc makes
+    of one source loop when it unswitches a condition the loop does not change: alternatives) share its trips. A
     loop with neither whose bound reads data but is clamped by a side the sizes give (`for_bound`) takes that
     side's trips, an upper bound; any other (no line info, bounds that read other variables) is counted as one
     trip per entry. Neither is known."""
@@ -384,7 +385,7 @@ def trips(profile: Profile, header_counts: dict, sizes: dict | None = None) -> t
         if executions is None:
             extent = for_extent(loop.header_text, sizes or {})
             bound = for_bound(loop.header_text, sizes or {}) if extent is None else extent
-            found.append(entries * (1 if bound is None else bound))
+            found.append(entries * (1 if bound is None else bound / sharing[loop.header]))
             known.append(extent is not None)
         else:
             share = executions / sharing[loop.header]

@@ -665,9 +665,10 @@ def test_sparse_key_gather_is_16_byte_cp_async_only_where_k_rows_are_aligned():
 
 
 def test_tilelang_first_digit_bins_and_lowest_keys_agree():
-    """The TileLang split selection's first digit (counted by pass 1) and the lowest key of each digit (compared by
-    pass 2) agree at every bin edge: digit(lowest(d)) >= d > digit(lowest(d) - 1); the digit never falls as the key
-    rises (specials, bin edges and random keys sorted); bins are quarter octaves (1, 1.25, .. 2 consecutive)."""
+    """The TileLang split selection's first digit of a value (counted by pass 1, from its bits) and the lowest key of
+    each digit (compared by pass 2) agree at every bin edge: digit(lowest(d)) >= d > digit(lowest(d) - 1); the digit
+    never falls as the key rises (specials, bin edges and random values sorted); bins are quarter octaves (1, 1.25,
+    .. 2 consecutive)."""
     import tilelang.language as T
 
     from flashkern.kernels._tilelang import compile_cpu
@@ -676,10 +677,10 @@ def test_tilelang_first_digit_bins_and_lowest_keys_agree():
     n = T.dynamic("N")
 
     @T.prim_func
-    def digits(Keys: T.Tensor((n,), "int32"), Digits: T.Tensor((n,), "int32"), Lowest: T.Tensor((256,), "int32")):
+    def digits(Bits: T.Tensor((n,), "int32"), Digits: T.Tensor((n,), "int32"), Lowest: T.Tensor((256,), "int32")):
         with T.Kernel(1, threads=1):
             for i in T.serial(n):
-                Digits[i] = tk.first_digit(Keys[i])
+                Digits[i] = tk.first_digit(Bits[i])
             for d in T.serial(256):
                 Lowest[d] = tk.lowest_key_of_digit(d)
 
@@ -689,16 +690,18 @@ def test_tilelang_first_digit_bins_and_lowest_keys_agree():
         return torch.where(torch.isnan(values), ref.order_keys(values), ref.order_keys(values) - 1)
 
     def run(keys):
-        keys = keys.to(torch.int32).contiguous()
-        out, lowest = torch.empty_like(keys), torch.empty(256, dtype=torch.int32)
-        kernel(keys, out, lowest)
+        """(first digits of the values whose kernel keys are `keys`, lowest keys of the digits)."""
+        keys = keys.long()
+        bits = torch.where(keys < 0, keys ^ 0x7FFFFFFF, keys).to(torch.int32)  # NaN's key: the bits of a NaN
+        out, lowest = torch.empty_like(bits), torch.empty(256, dtype=torch.int32)
+        kernel(bits, out, lowest)
         return out, lowest
 
     _, lowest = run(torch.zeros(1))
     values = torch.tensor([float("nan"), -float("inf"), -3e38, -2.0**17, -1.0, -2.0**-15, -1e-30, -0.0, 0.0, 1e-30,
                            2.0**-15, 1.0, 1.25, 1.5, 1.75, 2.0, 2.0**17, 3e38, float("inf")])
     keys = torch.cat([key(values), key(torch.randn(4096) * 2.0 ** torch.randint(-20, 20, (4096,))),
-                      lowest.long(), (lowest.long() - 1).clamp(min=-(2**31))]).long()
+                      lowest.long(), (lowest.long() - 1).clamp(min=-(2**31))])
     found, _ = run(torch.sort(keys).values)
     assert bool((found[1:] >= found[:-1]).all()), "the first digit falls as the key rises"
     at, below = run(lowest)[0], run((lowest.long() - 1).clamp(min=-(2**31)))[0]

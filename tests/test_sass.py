@@ -84,6 +84,17 @@ def test_nested_loops_take_their_trips_per_cta_and_unknown_headers_one_per_entry
     assert sass.trips(profile, {("k.py", 10): 5, ("k.py", 12): 16}) == ([4, 12, 1], [True, True, False])
 
 
+def test_copies_of_one_source_loop_share_its_trips_from_the_sizes_too():
+    """nvcc unswitches a condition a loop does not change into two copies of it, alternatives: the trips the
+    header's bounds give are split between them (as the traced header executions are), not run by each."""
+    counts = dict.fromkeys((*sass.PIPES, *sass.EVENTS), 0)
+    header, text = ("k.cu", 75), "for (int t = 0; t < tiles; ++t) {"
+    profile = sass.Profile(counts, (sass.Loop(0, 100, -1, counts, ("k.cu", 70), "for (int p = 0; p < 4; ++p) {"),
+                                    sass.Loop(10, 40, 0, counts, header, text),
+                                    sass.Loop(50, 90, 0, counts, header, text)))
+    assert sass.trips(profile, {}, {"tiles": 2}) == ([4, 4, 4], [True, True, True])
+
+
 GI_LISTING = """\
 //--------------------- .text.k --------------------------
 \t//## File "/x/k.py", line 10

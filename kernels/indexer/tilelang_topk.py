@@ -72,14 +72,15 @@ def key_of_bits(bits):
     return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
 
 
-def first_digit(key):
-    """The split selection's first digit of a key: quarter-octave bins of |x| in [2^-15, 2^17) (the exponent's low 5
-    bits and the top two mantissa bits), smaller magnitudes at the middle (127: -0 to -2^-15, 128: +0 to 2^-15),
-    larger at the ends (255: 2^17 to +inf; 0: -inf, NaN and below -2^17). Non-decreasing in the key, so the keys at or
-    above the rank-th largest have digits at or above its; with integer ops only, where TensorRT-LLM rounds to fp16
-    for the same bins. m = the key's 10 bits below the sign (exponent, two mantissa bits; flipped when negative)."""
-    m = (key & 0x7FFFFFFF) >> 21
-    return T.if_then_else(key >= 0, 128 + T.min(T.max(m - 448, 0), 127), 127 - T.min(T.max(575 - m, 0), 127))
+def first_digit(bits):
+    """The split selection's first digit of the fp32 value whose int32 bits are `bits`: quarter-octave bins of |x| in
+    [2^-15, 2^17) (the exponent's low 5 bits and the top two mantissa bits), smaller magnitudes at the middle (127:
+    -0 to -2^-15, 128: +0 to 2^-15), larger at the ends (255: 2^17 to +inf; 0: -inf, NaN and below -2^17).
+    Non-decreasing in the order key, so the keys at or above the rank-th largest have digits at or above its; integer
+    ops on the bits (no key needed), where TensorRT-LLM rounds to fp16 for the same bins."""
+    magnitude = bits & 0x7FFFFFFF
+    octaves = T.min(T.max((magnitude >> 21) - 448, 0), 127)  # the bin of |x| among 128
+    return T.if_then_else(magnitude > INF_BITS, 0, T.if_then_else(bits >= 0, 128 + octaves, 127 - octaves))
 
 
 def lowest_key_of_digit(digit):
@@ -157,11 +158,12 @@ def mapping(map_block: int):
         lambda blocks, m, n: n)
 
 
-def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool = True):
-    """load(Src, m, start, end, t, keys): keys[th, j] <- the order key at position n of tile t of [start, end),
-    n = start + t x tile + th x items + j (contiguous: a thread's items adjacent, the gather's order) or
-    start + t x tile + j x threads + th (coalesced), 0 past end. bits_at(Src, m, n) is the int32 bits of the fp32
-    value at n: one load, then the key from the register (order_key of a load would load it three times)."""
+def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool = True, keyed: bool = True):
+    """load(Src, m, start, end, t, keys): keys[th, j] <- the order key (keyed, else the value's bits) at position n
+    of tile t of [start, end), n = start + t x tile + th x items + j (contiguous: a thread's items adjacent, the
+    gather's order) or start + t x tile + j x threads + th (coalesced), 0 past end. bits_at(Src, m, n) is the int32
+    bits of the fp32 value at n: one load, then the key from the register (order_key of a load would load it three
+    times)."""
     tile = threads * items
 
     def position(start, t, th, j):
@@ -173,7 +175,8 @@ def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool
             for j in T.unroll(items):
                 keys[th, j] = T.if_then_else(position(start, t, th, j) < end, bits_at(Src, m, position(start, t, th, j)),
                                              0)
-                keys[th, j] = key_of_bits(keys[th, j])
+                if keyed:
+                    keys[th, j] = key_of_bits(keys[th, j])
 
     return load, position
 
@@ -392,8 +395,9 @@ def _values_arg(values, fl: Flavour):
 
 
 def _publisher(fl: Flavour, threads: int):
-    """publish(Hist, Total, Suffix, m, c): a chunk's first-digit counts, Hist int32 [warps, BINS] per-warp
-    sub-histograms of a CTA of `threads`, summed per bin; the nonzero bins added to Total[m, :] (global atomics), the
+    """publish(Hist, Total, Suffix, m, c): a chunk's first-digit counts, Hist int32 [warps, BINS + 1] per-warp
+    sub-histograms of a CTA of `threads` (the last bin counts what is not counted: no branch around an atomic),
+    summed per bin; the nonzero bins added to Total[m, :] (global atomics), the
     suffix sums (keys in the bins >= b) stored to Suffix[m, c, :].
 
     The bins are summed in a loop over max(BINS, threads) with b < BINS guarded: over BINS alone, a CTA of more
@@ -447,7 +451,7 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
     dtype, value = _values(fl, bf16)
     publish = _publisher(fl, threads)
     load, position = tile_loader(fl, threads, items, lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"),
-                                 contiguous=False)
+                                 contiguous=False, keyed=False)
 
     @T.prim_func
     def chunk_histogram(
@@ -459,20 +463,19 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
         chunk: T.int32,
     ):
         with T.Kernel(rows, chunks, threads=threads) as (m, c):  # rows may pass 65535: x
-            hist = fl.shared((warps, BINS), "int32")
-            keys = fl.fragment((threads, items), "int32")  # a tile's keys, positions `threads` apart
+            hist = fl.shared((warps, BINS + 1), "int32")  # per warp; the last bin: positions past the chunk
+            keys = fl.fragment((threads, items), "int32")  # a tile's values' bits, positions `threads` apart, digits
             lo = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[0])
             hi = T.alloc_var("int32", chunk_bounds(Starts, Ends, m, c, chunk, width, has_starts)[1])
             tiles = T.alloc_var("int32", T.ceildiv(hi - lo, tile))
-            for w, b in fl.parallel(warps, BINS):
+            for w, b in fl.parallel(warps, BINS + 1):
                 hist[w, b] = 0
             for t in T.serial(tiles):
                 load(Values, m, lo, hi, t, keys)
                 for th in fl.parallel(threads):
-                    for j in T.unroll(items):
-                        keys[th, j] = first_digit(keys[th, j])  # in a register: the index stays int32 math
-                        if position(lo, t, th, j) < hi:
-                            T.atomic_add(hist[th // WARP, keys[th, j]], 1)
+                    for j in T.unroll(items):  # the digit in a register: the index stays int32 math
+                        keys[th, j] = T.if_then_else(position(lo, t, th, j) < hi, first_digit(keys[th, j]), BINS)
+                        T.atomic_add(hist[th // WARP, keys[th, j]], 1)
             publish(hist, Total, Suffix, m, c)
 
     return chunk_histogram
@@ -480,12 +483,14 @@ def chunk_histogram_program(config: dict, fl: Flavour, *, has_starts: bool = Fal
 
 def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool = False, drop_neg_inf: bool = False,
                     bf16: bool = False):
-    """Split selection, pass 2 (grid M x C, `threads` threads in tiles of threads x items): from Total[m], the first
-    digit d of the rank-th largest eligible key, rank = min(k, sum Total[m]); CTA (m, c) writes its chunk's eligible
-    positions whose key is >= lowest_key_of_digit(d) (whose first digit is >= d), ascending, to Positions[m, offset
-    ..], offset = sum_{c' < c} Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W).
-    Per tile: a thread flags its `items` adjacent positions (keys in registers), counts them, a CTA scan of the
-    counts gives each thread its first slot, and it writes its flagged positions there in order."""
+    """Split selection, pass 2 (grid M x ceil(C / per), `threads` threads in tiles of threads x items), CTA (m, g)
+    over the `per` pass-1 chunks g per .. of row m (columns [g chunk, (g + 1) chunk), chunk = per x pass 1's): from
+    Total[m], the first digit d of the rank-th largest eligible key, rank = min(k, sum Total[m]); the CTA writes its
+    columns' eligible positions whose key is >= lowest_key_of_digit(d) (whose first digit is >= d), ascending, to
+    Positions[m, offset ..], offset = sum_{c' < g per} Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c'
+    Suffix[m, c', d] (<= W). Per tile: a thread flags its `items` adjacent positions (keys in registers), counts
+    them, a CTA scan of the counts gives each thread its first slot, and it writes its flagged positions there in
+    order. (per > 1 where pass 1's chunks are small, the block scores': each CTA sums O(C) suffixes.)"""
     rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
     tile = threads * items
     dtype, value = _values(fl, bf16)
@@ -504,9 +509,10 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
         Positions: T.Tensor((rows, width), "int32"),
         Counts: T.Tensor((rows,), "int32"),
         chunk: T.int32,
+        per: T.int32,
         k: T.int32,
     ):
-        with T.Kernel(rows, chunks, threads=threads) as (m, c):  # rows may pass 65535: x
+        with T.Kernel(rows, T.ceildiv(chunks, per), threads=threads) as (m, c):  # rows may pass 65535: x
             hist = fl.shared((BINS + 1,), "int32")  # the row's counts (the last 0), then keys in the bins >= each
             chosen = fl.shared((1,), "int32")
             per_chunk = fl.shared((threads,), "int32")  # candidates of chunks c0 threads .., then their prefix sums
@@ -530,7 +536,7 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                     per_chunk[th] = T.if_then_else(c0 * threads + th < chunks,
                                                    Suffix[m, T.min(c0 * threads + th, chunks - 1), digit], 0)
                 prefix_sums(per_chunk)
-                before = T.alloc_var("int32", T.min(c - c0 * threads, threads))  # chunks before c among these
+                before = T.alloc_var("int32", T.min(c * per - c0 * threads, threads))  # chunks before c's among these
                 if before > 0:
                     offset = offset + per_chunk[before - 1]
                 kept = kept + per_chunk[threads - 1]
@@ -569,9 +575,11 @@ def split_buffers(rows: int, chunks: int, width: int, device) -> dict:
                 counts=torch.empty((rows,), dtype=torch.int32, device=device))
 
 
-def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, ends=None, starts=None) -> tuple:
+def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, ends=None, starts=None,
+                      per: int = 1) -> tuple:
     """(pass 2's, pass 3's) arguments of a split selection of values [M, W] into out [M, k], after pass 1 filled
-    buffers' histograms over chunks of `chunk` columns (ends None: every row ends at W)."""
+    buffers' histograms over chunks of `chunk` columns (ends None: every row ends at W); pass 2 takes `per` of them
+    a CTA."""
     rows, width = values.shape
     device = values.device
     if ends is None:
@@ -579,7 +587,7 @@ def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, en
     if starts is None:
         starts = torch.zeros(1, dtype=torch.int32, device=device)
     compact = [_values_arg(values, fl), ends, starts, buffers["total"], buffers["suffix"], buffers["positions"],
-               buffers["counts"], chunk, out.shape[1]]
+               buffers["counts"], chunk * per, per, out.shape[1]]
     select = [_values_arg(values, fl), buffers["positions"], buffers["counts"],
               torch.zeros((1, 1), dtype=torch.int32, device=device), out]
     return compact, select
@@ -737,12 +745,14 @@ def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = Fal
     def score(Logits, RowEnd, Scores, m, bx, best):
         """best[b] <- the score of block bx * per_block + b, stored to Scores where the block exists."""
         end = T.alloc_var("int32", T.max(T.min(RowEnd[m], width), 0))  # any int32 row_end: clamped to [0, N]
+        loaded = fl.fragment((per_block,), "float32")  # one logit in a register: loaded once, compared
         for b in fl.parallel(per_block):
             best[b] = -inf
             for j in T.serial(block):
                 n = (bx * per_block + b) * block + j
-                if n < end:  # the comparison is false for NaN: it counts as -inf
-                    best[b] = T.if_then_else(value(Logits[m, n]) > best[b], value(Logits[m, n]), best[b])
+                loaded[b] = T.if_then_else(n < end, value(Logits[m, n]), -inf)
+                # the comparison is false for NaN: it counts as -inf
+                best[b] = T.if_then_else(loaded[b] > best[b], loaded[b], best[b])
             newest = (end > 0) & (bx * per_block + b == (end - 1) // block)
             # a zero maximum is stored as +0.0 (-0.0 ranks below it; which zero a max keeps is arbitrary)
             best[b] = T.if_then_else(newest, inf, T.if_then_else(best[b] == 0.0, 0.0, best[b]))
@@ -769,13 +779,15 @@ def block_max_program(block: int, config: dict, fl: Flavour, *, bf16: bool = Fal
     ):
         with T.Kernel(rows, T.ceildiv(n_blocks, per_block), threads=per_block) as (m, bx):  # rows may pass 65535: x
             best = fl.fragment((per_block,), "float32")
-            hist = fl.shared((warps, BINS), "int32")
-            for w, b in fl.parallel(warps, BINS):
+            hist = fl.shared((warps, BINS + 1), "int32")  # per warp; the last bin: what is not counted
+            for w, b in fl.parallel(warps, BINS + 1):
                 hist[w, b] = 0
             score(Logits, RowEnd, Scores, m, bx, best)
+            digits = fl.fragment((per_block,), "int32")  # a score's first digit (BINS: not counted)
             for b in fl.parallel(per_block):
-                if eligible(order_key(best[b]), bx * per_block + b < n_blocks):
-                    T.atomic_add(hist[b // WARP, first_digit(order_key(best[b]))], 1)
+                digits[b] = T.if_then_else(eligible(order_key(best[b]), bx * per_block + b < n_blocks),
+                                           first_digit(T.reinterpret(best[b], "int32")), BINS)
+                T.atomic_add(hist[b // WARP, digits[b]], 1)
             publisher(hist, Total, Suffix, m, bx)
 
     return block_max_published if publish else block_max
@@ -789,9 +801,8 @@ def blocks_program(problem: CandidateProblem, config: dict, fl: Flavour):
     select = topk_stage_program(config, fl, drop_neg_inf=True)
     if not _split(config):
         return block_max, select
-    # pass 2 walks a chunk of score_threads scores as one tile of score_threads threads
     return (block_max, block_max_program(problem.block, config, fl, bf16=problem.bf16_logits, publish=True),
-            compact_program(config["score_threads"], 1, fl, drop_neg_inf=True),
+            compact_program(config["threads"], config["items"], fl, drop_neg_inf=True),
             topk_stage_program(config, fl, drop_neg_inf=True, positions=True), select)
 
 
@@ -809,8 +820,11 @@ def blocks_args(problem: CandidateProblem, inputs: dict, config: dict, fl: Flavo
     if tiles < 2:
         return block_max, None, None, None, topk_stage_args(scores, None, out, fl)
     buffers = split_buffers(rows, tiles, problem.blocks, logits.device)
+    # pass 2 takes as many score tiles a CTA as split_chunk's chunk of the scores holds (all of a row: no split)
+    per = -(-(split_chunk(rows, problem.blocks, config["chunks"], config["score_threads"]) or problem.blocks)
+            // config["score_threads"])
     return (None, [*block_max, buffers["total"], buffers["suffix"]],
-            *split_select_args(scores, out, config["score_threads"], buffers, fl), None)
+            *split_select_args(scores, out, config["score_threads"], buffers, fl, per=per), None)
 
 
 BLOCKS_SPACE = Space(
