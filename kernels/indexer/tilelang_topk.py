@@ -8,30 +8,34 @@ negative value have their low 31 bits flipped, NaN becomes INT_MIN (below -inf's
 digits are taken from the key with its sign bit flipped (the unsigned form of the same order).
 
 Tile plan: one block per row, `threads` threads, the row walked in tiles of threads x items
-positions from its start to its end.
+positions from its start to its end; a thread holds its `items` adjacent positions' keys in
+registers (each value loaded once per tile; a row of one tile is loaded once for every pass).
   1. radix select (at most 4 passes of 8 bits): each pass histograms, into 256 bins, the digit
      of every eligible key that matches the digits fixed so far (atomics on a shared
-     histogram: counts do not depend on their order); suffix sums over the bins (T.cumsum on
-     GPU, a loop on CPU) find the bin holding the k-th largest key, whose digit is fixed. The
-     first pass also counts the eligible keys: when there are at most k, all are taken. A pass
-     whose bin holds exactly the keys still wanted ends the search early.
+     histogram: counts do not depend on their order); suffix sums over the bins find the bin
+     holding the k-th largest key, whose digit is fixed. The first pass also counts the
+     eligible keys: when there are at most k, all are taken. A pass whose bin holds exactly
+     the keys still wanted ends the search early.
      The result: a threshold key `thr` and a budget: take keys > thr, and the first `budget`
      keys == thr in position order.
   2. gather: per tile, each thread counts the keys above thr and equal to thr among its
-     `items` consecutive positions (packed in one int32: above + 65536 x equal), an inclusive
-     scan over the threads gives every thread its output offset (T.cumsum on GPU, a serial
-     loop on CPU), and each thread writes its taken positions in ascending order.
+     positions (packed in one int32: above + 65536 x equal), an inclusive scan over the
+     threads gives every thread its output offset, and each thread writes its taken
+     positions in ascending order.
+Scans (_inclusive_scan): on GPU warp shuffles and the warps' totals through shared memory (every
+warp works; T.cumsum walks the entries with one warp), on CPU a serial loop.
 Split over CTAs (config["chunks"] > 1 and chunk = problem.split_chunk(M, W, chunks, threads x items) > 0,
-a whole number of tiles; C = ceil(W / chunk) chunks a row), digit(key) = (key ^ SIGN_BIT) >> 24 & 255:
-  pass 1, grid M x C (chunk_histogram_program): CTA (m, c) histograms digit() of the eligible keys of columns
-     [max(start, c chunk), min(end, (c + 1) chunk)) in per-warp shared sub-histograms, adds its nonzero bins
-     to total[m, 256] (global atomics) and stores suffix[m, c, b] = its keys with digit >= b;
+a whole number of tiles; C = ceil(W / chunk) chunks a row), first_digit(): quarter-octave bins of |x|:
+  pass 1, grid M x C (chunk_histogram_program): CTA (m, c) histograms first_digit() of the eligible values of
+     columns [max(start, c chunk), min(end, (c + 1) chunk)) in per-warp shared sub-histograms, adds its nonzero
+     bins to total[m, 256] (global atomics) and stores suffix[m, c, b] = its keys with digit >= b;
   pass 2, grid M x C (compact_program): rank = min(k, sum total[m]), d = the bin of the rank-th largest key
-     (255 when rank = 0); CTA (m, c) writes its chunk's eligible positions with digit >= d, ascending (the
-     gather above with thr = lowest key of bin d), to positions[m, sum_{c' < c} suffix[m, c', d] ..];
-     counts[m] = sum_c' suffix[m, c', d] >= rank (CTA c = 0);
-  pass 3, a CTA per row: the top-k stage over positions[m, 0 .. counts[m]) (value at n: values[m, positions[m, n]],
-     emitted index positions[m, n]): ascending candidates keep the position order of ties.
+     (255 when rank = 0); CTA (m, c) writes its chunk's eligible positions whose key is >= the lowest key of
+     digit d, ascending, to positions[m, sum_{c' < c} suffix[m, c', d] ..]; counts[m] = sum_c' suffix[m, c', d]
+     >= rank (CTA c = 0);
+  pass 3, a CTA per row: the top-k stage over the candidates 0 .. counts[m] (pass 2 stores their keys beside their
+     positions: read in order, not gathered; emitted index positions[m, n]): ascending candidates keep the position
+     order of ties.
 Variants: starts (the row is [start, end) instead of [0, end); any int32 starts and ends are clamped to
 [0, W]), drop_neg_inf (keys of -inf and NaN are not eligible) and an index map for the sparse path
 (emitted c -> blocks[m, c // B] * B + c % B). Values may be fp32 or bf16 (decoded exactly to fp32) and
@@ -40,7 +44,8 @@ sorted=True adds a launch that puts the chosen positions in rank order (rank_ord
 candidate_blocks is two launches: block scores [M, ceil(N / block)] (a thread per block; a zero
 maximum stored as +0.0), then the top-k stage over them with drop_neg_inf. Split (chunks > 1 and at least two
 score tiles a row), the score tiles of score_threads blocks are the chunks: the block-score kernel publishes
-pass 1 for the scores it writes (eligible: > -inf), then passes 2 and 3 over the scores with drop_neg_inf.
+pass 1 for the scores it writes (eligible: > -inf), then passes 2 (several score tiles a CTA: split_chunk's chunk
+of the scores) and 3 over the scores with drop_neg_inf.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -68,7 +73,7 @@ def order_key(value):
 
 def key_of_bits(bits):
     """order_key of the fp32 value whose bits are `bits` (int32). It names `bits` three times: pass a register, not a
-    load, where the expression is not already one (load_tile)."""
+    load, where the expression is not already one (tile_loader)."""
     return T.if_then_else((bits & 0x7FFFFFFF) > INF_BITS, SIGN_BIT, T.if_then_else(bits < 0, bits ^ 0x7FFFFFFF, bits))
 
 
@@ -181,10 +186,10 @@ def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool
     return load, position
 
 
-def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, mapped):
+def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, mapped, keyed: bool = True):
     """The top-k stage's two steps as macros over positions [start, end) of row m of a source Src, whose fp32 value
-    at position n has the int32 bits bits_at(Src, m, n) (eligible(key, also) and mapped(Blocks, m, n) as dropping and
-    mapping), in tiles of threads x items positions (a thread's `items` adjacent); keys, a fragment int32
+    at position n has the int32 bits bits_at(Src, m, n) (keyed=False: whose order key it is; eligible(key, also) and
+    mapped(Blocks, m, n) as dropping and mapping), in tiles of threads x items positions (a thread's `items` adjacent); keys, a fragment int32
     [threads, items], holds a tile's keys in registers:
 
       select(Src, m, start, end, k, state, keys): the radix select; state, an int32 [3] local buffer, receives
@@ -199,7 +204,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, m
     tile = threads * items
     prefix_sums = _inclusive_scan(fl, threads, False, threads)
     suffix_sums = _inclusive_scan(fl, BINS + 1, True, threads)
-    load, position = tile_loader(fl, threads, items, bits_at)
+    load, position = tile_loader(fl, threads, items, bits_at, keyed=keyed)
 
     @T.macro
     def select(Src, m, start, end, k, state, keys):
@@ -308,25 +313,25 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
     """Top-k of values [M, W] (fp32, or bf16 with bf16) over [starts, ends) per row -> out int32 [M, k] (see the
     module docstring). Values and the block map may be row-strided.
 
-    positions: the split's pass 3, over a candidate list Positions int32 [M, W] instead (no starts; Ends = the
-    rows' candidate counts): entry n of row m stands for value Values[m, Positions[m, n]] and emits Positions[m, n]
-    (then the block map, if any).
+    positions: the split's pass 3, over a candidate list instead (no starts; Ends = the rows' candidate counts): entry
+    n of row m has the order key Keys[m, n] and emits Positions[m, n] (then the block map, if any), both int32
+    [M, W], written by pass 2: the candidates' keys are read in order, not gathered.
 
     k is dynamic like the sizes: one compiled kernel serves every k (k = 512 and 2048 alike).
     """
     rows, width, mapped_blocks, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("NB"), T.dynamic("K")
     dtype, value = _values(fl, bf16)
     eligible, mapped = dropping(drop_neg_inf), mapping(map_block)
-    if positions:  # Src = (Values, Positions), Blocks = (Positions, Blocks)
-        select, gather = selection_macros(
-            fl, config["threads"], config["items"], lambda src, m, n: T.reinterpret(value(src[0][m, src[1][m, n]]), "int32"),
-            eligible, lambda chosen, m, n: mapped(chosen[1], m, chosen[0][m, n]))
+    if positions:  # Src = Keys, Blocks = (Positions, Blocks)
+        select, gather = selection_macros(fl, config["threads"], config["items"], lambda keys, m, n: keys[m, n],
+                                          eligible, lambda chosen, m, n: mapped(chosen[1], m, chosen[0][m, n]),
+                                          keyed=False)
     else:
         select, gather = selection_macros(fl, config["threads"], config["items"],
                                           lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"), eligible, mapped)
     blocks_type = row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32")
     if positions:
-        return _candidates_program(config, fl, select, gather, dtype, blocks_type)
+        return _candidates_program(config, fl, select, gather, blocks_type)
 
     @T.prim_func
     def topk_stage(
@@ -348,13 +353,13 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
     return topk_stage
 
 
-def _candidates_program(config: dict, fl: Flavour, select, gather, dtype: str, blocks_type):
+def _candidates_program(config: dict, fl: Flavour, select, gather, blocks_type):
     """topk_stage_program's kernel over a split's candidate list (positions=True), from its selection macros."""
     rows, width, k = T.dynamic("M"), T.dynamic("W"), T.dynamic("K")
 
     @T.prim_func
     def topk_candidates(
-        Values: row_strided((rows, width), dtype, "values"),
+        Keys: T.Tensor((rows, width), "int32"),
         Positions: T.Tensor((rows, width), "int32"),
         Counts: T.Tensor((rows,), "int32"),
         Blocks: blocks_type,
@@ -364,8 +369,8 @@ def _candidates_program(config: dict, fl: Flavour, select, gather, dtype: str, b
             state = T.alloc_local((3,), "int32")  # thr, budget, valid
             keys = fl.fragment((config["threads"], config["items"]), "int32")  # a tile's keys
             end = T.alloc_var("int32", T.max(T.min(Counts[m], width), 0))  # counts[m] <= W: clamped all the same
-            select((Values, Positions), m, 0, end, k, state, keys)
-            gather((Values, Positions), m, 0, end, k, state, (Positions, Blocks), Out, m, keys, True)
+            select(Keys, m, 0, end, k, state, keys)
+            gather(Keys, m, 0, end, k, state, (Positions, Blocks), Out, m, keys, True)
 
     return topk_candidates
 
@@ -487,10 +492,10 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
     over the `per` pass-1 chunks g per .. of row m (columns [g chunk, (g + 1) chunk), chunk = per x pass 1's): from
     Total[m], the first digit d of the rank-th largest eligible key, rank = min(k, sum Total[m]); the CTA writes its
     columns' eligible positions whose key is >= lowest_key_of_digit(d) (whose first digit is >= d), ascending, to
-    Positions[m, offset ..], offset = sum_{c' < g per} Suffix[m, c', d]; CTA (m, 0) writes Counts[m] = sum_c'
-    Suffix[m, c', d] (<= W). Per tile: a thread flags its `items` adjacent positions (keys in registers), counts
-    them, a CTA scan of the counts gives each thread its first slot, and it writes its flagged positions there in
-    order. (per > 1 where pass 1's chunks are small, the block scores': each CTA sums O(C) suffixes.)"""
+    Positions[m, offset ..] and their keys to Keys[m, offset ..], offset = sum_{c' < g per} Suffix[m, c', d]; CTA
+    (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W). Per tile: a thread flags its `items` adjacent
+    positions (keys in registers), counts them, a CTA scan of the counts gives each thread its first slot, and it
+    writes its flagged positions and keys there in order. (per > 1 where pass 1's chunks are small, the block scores': each CTA sums O(C) suffixes.)"""
     rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
     tile = threads * items
     dtype, value = _values(fl, bf16)
@@ -507,6 +512,7 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
         Total: T.Tensor((rows, BINS), "int32"),
         Suffix: T.Tensor((rows, chunks, BINS), "int32"),
         Positions: T.Tensor((rows, width), "int32"),
+        Keys: T.Tensor((rows, width), "int32"),
         Counts: T.Tensor((rows,), "int32"),
         chunk: T.int32,
         per: T.int32,
@@ -518,6 +524,7 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
             per_chunk = fl.shared((threads,), "int32")  # candidates of chunks c0 threads .., then their prefix sums
             counts = fl.shared((threads,), "int32")  # a tile's flagged positions per thread, then their prefix sums
             keys = fl.fragment((threads, items), "int32")  # a tile's keys
+            taken = fl.fragment((threads, items), "int32")  # 1 where a key is a candidate
             mine = fl.fragment((threads,), "int32")  # a thread's flagged positions in the tile
             slot = fl.fragment((threads,), "int32")  # where a thread's next flagged position goes
             for b in fl.parallel(BINS + 1):
@@ -549,18 +556,19 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                 load(Values, m, lo, hi, t, keys)
                 for th in fl.parallel(threads):
                     mine[th] = 0
-                    for j in T.unroll(items):  # keys -> flags: taken or not
-                        keys[th, j] = T.if_then_else(
+                    for j in T.unroll(items):
+                        taken[th, j] = T.if_then_else(
                             eligible(keys[th, j], (position(lo, t, th, j) < hi) & (keys[th, j] >= low)), 1, 0)
-                        mine[th] = mine[th] + keys[th, j]
+                        mine[th] = mine[th] + taken[th, j]
                     counts[th] = mine[th]
                 prefix_sums(counts)
                 for th in fl.parallel(threads):
                     slot[th] = offset + counts[th] - mine[th]
                     for j in T.unroll(items):
-                        if keys[th, j] == 1:
+                        if taken[th, j] == 1:
                             Positions[m, slot[th]] = position(lo, t, th, j)
-                        slot[th] = slot[th] + keys[th, j]
+                            Keys[m, slot[th]] = keys[th, j]
+                        slot[th] = slot[th] + taken[th, j]
                 offset = offset + counts[threads - 1]
 
     return compact
@@ -568,10 +576,11 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
 
 def split_buffers(rows: int, chunks: int, width: int, device) -> dict:
     """A split selection's scratch: the rows' first-digit histograms (zeroed: chunks add into them), each chunk's
-    suffix sums, the candidate positions and their counts."""
+    suffix sums, the candidate positions, their keys and their counts."""
     return dict(total=torch.zeros((rows, BINS), dtype=torch.int32, device=device),
                 suffix=torch.empty((rows, chunks, BINS), dtype=torch.int32, device=device),
                 positions=torch.empty((rows, width), dtype=torch.int32, device=device),
+                keys=torch.empty((rows, width), dtype=torch.int32, device=device),
                 counts=torch.empty((rows,), dtype=torch.int32, device=device))
 
 
@@ -587,8 +596,8 @@ def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, en
     if starts is None:
         starts = torch.zeros(1, dtype=torch.int32, device=device)
     compact = [_values_arg(values, fl), ends, starts, buffers["total"], buffers["suffix"], buffers["positions"],
-               buffers["counts"], chunk * per, per, out.shape[1]]
-    select = [_values_arg(values, fl), buffers["positions"], buffers["counts"],
+               buffers["keys"], buffers["counts"], chunk * per, per, out.shape[1]]
+    select = [buffers["keys"], buffers["positions"], buffers["counts"],
               torch.zeros((1, 1), dtype=torch.int32, device=device), out]
     return compact, select
 
@@ -693,14 +702,13 @@ def topk_args(problem: TopkProblem, inputs: dict, config: dict, fl: Flavour, out
     return (*select, [_values_arg(inputs["logits"], fl), chosen, out])
 
 
-# GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a), threads x items: 128x32 40
-# registers, 256x4 32, 512x8 48, 512x32 48, 1024x2 39, 1024x8 40, 1024x16 40 (with starts, drop_neg_inf
-# and the index map or without), never a spill, so 1024 threads fit (<= 64 registers each); the
-# block-score stage uses 24. Shared memory: the 1 KiB histogram, aliased with the 4 B x threads tile
-# counts (at most 4 KiB). The split's kernels at 1024x8 (512x8): pass 1 30 (31) registers and a 1 KiB
-# sub-histogram per warp (33 KiB in all at 1024 threads), pass 2 32 (44), pass 3 38 (47); block scores
-# publishing pass 1 32 registers, 5 KiB; never a spill. Nothing in the space spills or overflows shared
-# memory: no GPU limits needed.
+# GPU resources, measured with build_sm90 (nvcc --resource-usage, sm_90a): a thread keeps `items` keys in
+# registers, so registers grow with items; one-CTA stage / pass 1 / pass 2 / pass 3, threads x items: 128x32
+# 96/78/90/109, 256x4 47/24/40/50, 256x16 72/46/61/72, 512x8 56/32/39/55, 512x32 96/80/93/119, 1024x2
+# 40/30/32/32, 1024x8 48/31/32/54, 1024x16 64/46/55/55 (1024 threads: at most 64 each; 1024x32 is outside the
+# space); the block-score stages 20-24. Never a spill. Shared memory: the 1 KiB histogram and the 4 B x threads
+# tile counts (at most 4 KiB); pass 1 a 1 KiB sub-histogram per warp (33 KiB at 1024 threads). Nothing in the
+# space spills or overflows shared memory: no GPU limits needed.
 TOPK_SPACE = Space(
     params={"threads": (128, 256, 512, 1024), "items": (2, 4, 8, 16, 32), "chunks": (1, 4, 16, 64)},
     constraints={
@@ -712,15 +720,14 @@ TOPK_SPACE = Space(
 
 
 def topk_default(problem: TopkProblem) -> dict:
-    """A block per row below SPLIT_FROM positions (256 threads below 8K, 512 from 8K); longer rows split over up to
-    64 CTAs each (split_chunk: about one CTA an SM in all) on 512 threads, whose candidate pass (a CTA per row over
-    what the compaction kept) is bound by its per-pass overhead: 512 threads model faster than 1024 (H200 model, 16
-    rows of 512K: 95.6 against 115.6 us; one row: 31.1 against 53.7; one CTA per row: see docs/model-h200.md)."""
+    """256 threads: a block per row below SPLIT_FROM positions in tiles of 256 x 8; longer rows split over up to 64
+    CTAs each (split_chunk: about one CTA an SM in all) in tiles of 256 x 16. The candidate pass (a CTA per row over
+    what the compaction kept) is bound by its per-pass overhead, which grows with the warps: 256 threads model
+    faster than 512 (H200 model, kernel us, 256x8 / 512x8: 8K 6.4 / 7.1; split 256x16 / 256x8 / 512x8: 16 rows of
+    512K 26.0 / 30.5 / 27.6, one row of 512K 9.7 / 9.5 / 10.7, 16 rows of 64K 9.7 / 9.5 / 10.7)."""
     if problem.positions >= SPLIT_FROM:
-        return {"threads": 512, "items": 8, "chunks": 64}
-    if problem.positions >= 1 << 13:
-        return {"threads": 512, "items": 8, "chunks": 1}
-    return {"threads": 256, "items": 4, "chunks": 1}
+        return {"threads": 256, "items": 16, "chunks": 64}
+    return {"threads": 256, "items": 8, "chunks": 1}
 
 
 # ---------------------------------------------------------------- candidate_blocks
