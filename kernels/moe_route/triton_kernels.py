@@ -73,15 +73,17 @@ def _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
     """Route the logits chunks x (a tuple of NC [BLOCK_T, CW] tiles) and store the rows' weights and ids."""
     BLOCK_T: tl.constexpr = x[0].shape[0]
     # 1. scores and selection keys
-    if SCORE == 2:  # softmax over the row's experts
+    if SCORE == 2:  # softmax over the row's experts: each exponential computed once, kept per chunk
         row_max = tl.full((BLOCK_T,), float("-inf"), tl.float32)
         for c in tl.static_range(NC):
             ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)[1]
             row_max = tl.maximum(row_max, tl.max(tl.where(ok, x[c], float("-inf")), axis=1))
         total = tl.zeros((BLOCK_T,), tl.float32)
+        exps = ()
         for c in tl.static_range(NC):
             ok = _slot_experts(_chunk_slots(c, CW), G, EG, EG_PAD)[1]
-            total += tl.sum(tl.where(ok, tl.exp(x[c] - row_max[:, None]), 0.0), axis=1)
+            exps = exps + (tl.where(ok, tl.exp(x[c] - row_max[:, None]), 0.0),)
+            total += tl.sum(exps[c], axis=1)
     s = ()
     b = ()
     for c in tl.static_range(NC):
@@ -91,7 +93,7 @@ def _route_chunks(x, row, row_ok, bias_ptr, valid_ptr, w_ptr, id_ptr, scale,
         elif SCORE == 1:
             s_c = 1.0 / (1.0 + tl.exp(-x[c]))
         else:
-            s_c = tl.exp(x[c] - row_max[:, None]) / total[:, None]
+            s_c = exps[c] / total[:, None]
         s_c = tl.where((s_c < float("inf")) & (s_c > float("-inf")), s_c, 0.0)  # NaN and +-inf scores -> 0 (vLLM)
         b_c = s_c
         if bias_ptr is not None:
