@@ -576,7 +576,7 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
                         span_scores[0, t * BN + n] = -T.infinity("float32")
             if KEEP < SPAN:
                 select(span_scores, 0, 0, SPAN, KEEP, state, keys)
-                gather(span_scores, 0, 0, SPAN, KEEP, state, Blocks, chosen, 0, keys, True)
+                gather(span_scores, 0, 0, SPAN, KEEP, state, Blocks, chosen, 0, keys)
             else:  # the span keeps every eligible slot where it is (the merge drops -inf and NaN)
                 state[2] = KEEP * listed[1]
                 for i in fl.parallel(KEEP):

@@ -129,8 +129,9 @@ def _inclusive_scan(fl: Flavour, size: int, reverse: bool, threads: int):
                 if th % WARP == WARP - 1:
                     warp_sum[th // WARP] = ahead[th]
             for th in T.Parallel(threads):  # + the totals of the warps before: lane l reads warp l's, a warp sum
-                shifted[th] = T.if_then_else(th % WARP < T.min(th // WARP, warps), warp_sum[T.min(th % WARP, warps - 1)],
-                                             0)
+                lane = th % WARP
+                warp = th // WARP
+                shifted[th] = T.if_then_else(lane < T.min(warp, warps), warp_sum[T.min(lane, warps - 1)], 0)
                 for s in T.unroll(5):
                     shifted[th] = shifted[th] + T.shfl_xor(shifted[th], 1 << s)
                 ahead[th] = ahead[th] + shifted[th]
@@ -178,8 +179,8 @@ def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool
     def load(Src, m, start, end, t, keys):
         for th in fl.parallel(threads):
             for j in T.unroll(items):
-                keys[th, j] = T.if_then_else(position(start, t, th, j) < end, bits_at(Src, m, position(start, t, th, j)),
-                                             0)
+                n = position(start, t, th, j)
+                keys[th, j] = T.if_then_else(n < end, bits_at(Src, m, n), 0)
                 if keyed:
                     keys[th, j] = key_of_bits(keys[th, j])
 
@@ -189,15 +190,15 @@ def tile_loader(fl: Flavour, threads: int, items: int, bits_at, contiguous: bool
 def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, mapped, keyed: bool = True):
     """The top-k stage's two steps as macros over positions [start, end) of row m of a source Src, whose fp32 value
     at position n has the int32 bits bits_at(Src, m, n) (keyed=False: whose order key it is; eligible(key, also) and
-    mapped(Blocks, m, n) as dropping and mapping), in tiles of threads x items positions (a thread's `items` adjacent); keys, a fragment int32
-    [threads, items], holds a tile's keys in registers:
+    mapped(Blocks, m, n) as dropping and mapping), in tiles of threads x items positions (a thread's `items`
+    adjacent); keys, a fragment int32 [threads, items], holds a tile's keys in registers:
 
       select(Src, m, start, end, k, state, keys): the radix select; state, an int32 [3] local buffer, receives
           (thr, budget, valid): take the keys > thr and the first `budget` keys == thr, valid = min(#eligible, k).
           A row of one tile is loaded once: its keys stay in `keys` across the passes (and for the gather);
-      gather(Src, m, start, end, k, state, Blocks, Dst, d, keys, loaded, base=0): writes Dst[d, base .. base + k) =
-          the taken positions (mapped) in ascending order, then -1 (the split's compaction: k = 0, no padding);
-          loaded: whether a select over the same [start, end) ran before (a one-tile row's keys are in `keys`).
+      gather(Src, m, start, end, k, state, Blocks, Dst, d, keys): after select over the same [start, end), writes
+          Dst[d, 0 .. k) = the taken positions (mapped) in ascending order, then -1 (a one-tile row's keys are still
+          in `keys`).
 
     Src and Blocks are whatever bits_at and mapped take: a tensor, or a tuple of them (the split's candidates).
     """
@@ -261,7 +262,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, m
         state[2] = valid
 
     @T.macro
-    def gather(Src, m, start, end, k, state, Blocks, Dst, d, keys, loaded, base=0):
+    def gather(Src, m, start, end, k, state, Blocks, Dst, d, keys):
         counts = fl.shared((threads,), "int32")  # packed per-thread tile counts, then their inclusive scan
         mine = fl.fragment((threads,), "int32")  # a thread's packed count
         above_at = fl.fragment((threads,), "int32")  # keys > thr before a thread's next position
@@ -270,15 +271,12 @@ def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, m
         for c0 in T.serial(T.ceildiv(k, threads)):
             for th in fl.parallel(threads):
                 if (c0 * threads + th < k) & (c0 * threads + th >= state[2]):
-                    Dst[d, base + c0 * threads + th] = -1
+                    Dst[d, c0 * threads + th] = -1
         above = T.alloc_var("int32", 0)  # keys > thr in the tiles done
         equal = T.alloc_var("int32", 0)  # keys == thr in the tiles done
         for t in T.serial(gather_tiles):
             if above + T.min(equal, state[1]) < state[2]:
-                if loaded:
-                    if gather_tiles > 1:
-                        load(Src, m, start, end, t, keys)
-                else:
+                if gather_tiles > 1:  # one tile: its keys are in registers since the select
                     load(Src, m, start, end, t, keys)
                 for th in fl.parallel(threads):
                     mine[th] = 0
@@ -290,7 +288,7 @@ def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, m
                     counts[th] = mine[th]
                 prefix_sums(counts)
                 for th in fl.parallel(threads):
-                    above_at[th] = base + above + (counts[th] - mine[th]) % EQUAL_UNIT
+                    above_at[th] = above + (counts[th] - mine[th]) % EQUAL_UNIT
                     equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
                     for j in T.unroll(items):
                         if position(start, t, th, j) < end:
@@ -328,7 +326,8 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
                                           keyed=False)
     else:
         select, gather = selection_macros(fl, config["threads"], config["items"],
-                                          lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"), eligible, mapped)
+                                          lambda values, m, n: T.reinterpret(value(values[m, n]), "int32"), eligible,
+                                          mapped)
     blocks_type = row_strided((rows, mapped_blocks), "int32", "blocks") if map_block else T.Tensor((1, 1), "int32")
     if positions:
         return _candidates_program(config, fl, select, gather, blocks_type)
@@ -348,7 +347,7 @@ def topk_stage_program(config: dict, fl: Flavour, *, has_starts: bool = False, d
             start = T.alloc_var("int32", T.min(T.max(Starts[m], 0), width) if has_starts else 0)
             end = T.alloc_var("int32", T.max(T.min(Ends[m], width), start))
             select(Values, m, start, end, k, state, keys)  # 1. radix select
-            gather(Values, m, start, end, k, state, Blocks, Out, m, keys, True)  # 2. gather in ascending tiles
+            gather(Values, m, start, end, k, state, Blocks, Out, m, keys)  # 2. gather in ascending tiles
 
     return topk_stage
 
@@ -370,7 +369,7 @@ def _candidates_program(config: dict, fl: Flavour, select, gather, blocks_type):
             keys = fl.fragment((config["threads"], config["items"]), "int32")  # a tile's keys
             end = T.alloc_var("int32", T.max(T.min(Counts[m], width), 0))  # counts[m] <= W: clamped all the same
             select(Keys, m, 0, end, k, state, keys)
-            gather(Keys, m, 0, end, k, state, (Positions, Blocks), Out, m, keys, True)
+            gather(Keys, m, 0, end, k, state, (Positions, Blocks), Out, m, keys)
 
     return topk_candidates
 
@@ -495,7 +494,8 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
     Positions[m, offset ..] and their keys to Keys[m, offset ..], offset = sum_{c' < g per} Suffix[m, c', d]; CTA
     (m, 0) writes Counts[m] = sum_c' Suffix[m, c', d] (<= W). Per tile: a thread flags its `items` adjacent
     positions (keys in registers), counts them, a CTA scan of the counts gives each thread its first slot, and it
-    writes its flagged positions and keys there in order. (per > 1 where pass 1's chunks are small, the block scores': each CTA sums O(C) suffixes.)"""
+    writes its flagged positions and keys there in order. (per > 1 where pass 1's chunks are small, the block
+    scores': each CTA sums the suffixes of the chunks before its own.)"""
     rows, width, chunks = T.dynamic("M"), T.dynamic("W"), T.dynamic("C")
     tile = threads * items
     dtype, value = _values(fl, bf16)
