@@ -242,3 +242,45 @@ def test_lowers_for_sm90(fmt):
         source, _, threads = lower_sm90(codecs.codec_prim_func(fmt.name, direction, parallel=T.Parallel, block=128))
         assert "__global__" in source and "codec_kernel" in source
         assert threads == 128
+
+
+def _e2m1_pairs_kernel(fl):
+    """out[b, s] = the bf16x2 bits of byte b's two e2m1 codes times e4m3 scale code s, as the attention decodes."""
+    from flashkern.kernels._tilelang import CPU, compile_cpu
+
+    @T.prim_func
+    def pairs(Scales: T.Tensor((256,), "uint8"), Out: T.Tensor((256, 256), "int32")):
+        with T.Kernel(1, threads=128):
+            for b, s in T.grid(256, 256):
+                Out[b, s] = T.reinterpret(fl.mul_bf16x2(fl.mul_bf16x2(
+                    codecs.e2m1_pair_bf16x2(T.Cast("uint8", b)), T.uint32(codecs.E2M1_REBIAS_BF16X2)),
+                    codecs.bf16x2_of_f32(codecs.e4m3_to_f32(Scales[s]))), "int32")
+
+    return compile_cpu(pairs) if fl is CPU else pairs
+
+
+def test_e2m1_pairs_times_every_scale_are_exact():
+    """The attention's FP4 decode (a byte -> bf16x2 bits, times 2^126, times the scale, two bf16 multiplies) gives
+    each code's value times the scale for every byte and every e4m3 scale (NaN scales: NaN)."""
+    from flashkern.kernels._tilelang import CPU
+
+    scales = torch.arange(256, dtype=torch.uint8)
+    out = torch.zeros(256, 256, dtype=torch.int32)
+    _e2m1_pairs_kernel(CPU)(scales, out)
+    got_low = (out << 16).view(torch.float32)
+    got_high = (out & -65536).view(torch.float32)
+    codes = torch.arange(256, dtype=torch.uint8)
+    scale = scales.view(torch.float8_e4m3fn).float()
+    want_low = (E2M1.decode_ref(codes & 0xF)[:, None] * scale[None, :]).bfloat16().float()
+    want_high = (E2M1.decode_ref(codes >> 4)[:, None] * scale[None, :]).bfloat16().float()
+    for got, want in ((got_low, want_low), (got_high, want_high)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])  # -0 included
+
+
+def test_e2m1_pairs_lower_to_bf16x2_multiplies():
+    from flashkern.kernels._tilelang import GPU, lower_sm90
+
+    source, _, _ = lower_sm90(_e2m1_pairs_kernel(GPU))
+    assert source.count("tl::mul2(") == 2 and "__nv_bfloat162" in source

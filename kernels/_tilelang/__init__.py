@@ -77,6 +77,32 @@ class Flavour:
             return T.Cast("float32", T.Cast("bfloat16", x))
         return codecs.bf16_to_f32(codecs.f32_to_bf16(x))
 
+    def mul_bf16x2(self, a, b):
+        """The bits (uint32) of two bf16 products, a and b each the bits of a bf16x2: one HMUL2.BF16 on the GPU;
+        on the CPU each half in fp32, rounded to the nearest bf16."""
+        if self.on_gpu:
+            return T.reinterpret(T.reinterpret(a, "bfloat16x2") * T.reinterpret(b, "bfloat16x2"), "uint32")
+        low = codecs.f32_to_bf16(codecs.bf16_to_f32(a & 0xFFFF) * codecs.bf16_to_f32(b & 0xFFFF))
+        high = codecs.f32_to_bf16(codecs.bf16_to_f32(a >> 16) * codecs.bf16_to_f32(b >> 16))
+        return T.Cast("uint32", low) | T.shift_left(T.Cast("uint32", high), T.uint32(16))
+
+    @property
+    def put_bf16x2(self):
+        """A macro put(values, c, bits): values[c], values[c + 1] = the two bf16 of `bits` (low half first), into a
+        local buffer (`operand` dtype): one register on the GPU; two fp32 values on the CPU (whose gemm tiles are
+        fp32). A vectorized copy then moves the buffer into a (swizzled) shared tile in 16-byte stores."""
+        on_gpu = self.on_gpu
+
+        @T.macro
+        def put(values, c, bits):
+            if on_gpu:
+                values[T.Ramp(c, 1, 2)] = T.reinterpret(bits, "bfloat16x2")
+            else:
+                values[c] = codecs.bf16_to_f32(bits & 0xFFFF)
+                values[c + 1] = codecs.bf16_to_f32(bits >> 16)
+
+        return put
+
     def tma_arg(self, tensor):
         """A tensor a kernel T.copy's from, as it is where a TMA descriptor can address it (16-byte aligned base and
         leading strides), else a contiguous copy: on sm_90a TileLang lowers such copies to TMA, whose descriptor

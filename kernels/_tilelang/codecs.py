@@ -119,6 +119,23 @@ def e2m1_to_f32(code):
     return _f32(((c & 7) << 22) | ((c & 8) << 28)) * _E2M1_REBIAS
 
 
+E2M1_REBIAS_BF16X2 = 0x7E807E80  # bf16 2^126 in both halves: what e2m1_pair_bf16x2 is multiplied by
+
+
+def e2m1_pair_bf16x2(byte):
+    """A byte of two FP4 e2m1 codes (low nibble first) -> the bits of a bf16x2 holding each code's value x 2^-126
+    (times E2M1_REBIAS_BF16X2, exact: the same placement as e2m1_to_f32, in bf16, whose exponent bias is fp32's).
+    byte x (2^6 + 2^18) puts the low code's magnitude at bits 6..8 and the high one's at 22..24; six bits further
+    up sit the signs (bits 15 and 31): one multiply, one shift and two logic ops a pair."""
+    spread = T.Cast("uint32", byte) * T.uint32(0x00040040)
+    return (spread & T.uint32(0x01C001C0)) | (T.shift_left(spread, T.uint32(6)) & T.uint32(0x80008000))
+
+
+def bf16x2_of_f32(x):
+    """An fp32 that bf16 holds exactly (a scale) -> the bits of a bf16x2 holding it in both halves."""
+    return (_u32(x) >> 16) * T.uint32(0x00010001)
+
+
 def f32_to_e2m1(x):
     """fp32 -> FP4 e2m1 code 0..15 (uint8): RNE, saturating to +-6.
 

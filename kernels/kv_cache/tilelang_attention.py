@@ -22,11 +22,12 @@ import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, row_strided
+from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
 from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, locate_slot, scale_value
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
+E2M1_REBIAS_BF16X2 = T.uint32(codecs.E2M1_REBIAS_BF16X2)
 NEG_INF = -T.infinity("float32")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
@@ -82,28 +83,29 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         return stored if fl.on_gpu else fl.load_bf16(stored)
 
     @T.macro
-    def fill_rows(tile, rows, width, piece, strides, value):
-        """tile[r, c] = value(r, c) over a [rows, width] tile that global loads fill. On the GPU with `aligned` set
-        (the host found the source 16-byte aligned and its `strides` multiples of a `piece`, the elements in 16
-        bytes) in 16-byte pieces through cp.async; otherwise a row at a time, element by element."""
+    def fill_rows(tile, rows, c0, width, piece, strides, value):
+        """tile[r, c0 + c] = value(r, c0 + c) over [rows, width] of a tile that global loads fill. On the GPU with
+        `aligned` set (the host found the source 16-byte aligned and its `strides` multiples of a `piece`, the
+        elements in 16 bytes) in 16-byte pieces through cp.async (a power-of-two count of pieces a row keeps the
+        thread-to-piece map in shifts); otherwise a row at a time, element by element."""
         if fl.on_gpu:
             if aligned:
                 for stride in strides:
                     T.assume(stride % piece == 0)
                 for r, c in T.Parallel(rows, width, coalesced_width=T.int32(piece), prefer_async=True):
-                    tile[r, c] = value(r, c)
+                    tile[r, c0 + c] = value(r, c0 + c)
             else:
                 for r in T.serial(rows):
                     for c in T.Parallel(width):
-                        tile[r, c] = value(r, c)
+                        tile[r, c0 + c] = value(r, c0 + c)
         else:
             for r, c in T.grid(rows, width):
-                tile[r, c] = value(r, c)
+                tile[r, c0 + c] = value(r, c0 + c)
 
     @T.macro
     def load_q(Q, t, h0, q_tile):
         """q_tile = the block's heads of token t (rows past H zero)."""
-        fill_rows(q_tile, BH, LATENT, BF16_PER_16_BYTES, Q.strides[:2], lambda h, d: T.if_then_else(
+        fill_rows(q_tile, BH, 0, LATENT, BF16_PER_16_BYTES, Q.strides[:2], lambda h, d: T.if_then_else(
             h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
 
     @T.macro
@@ -113,14 +115,24 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
             locate_slot(Cache, T.if_then_else(first + n < Indices.shape[1],
                                               Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
-        fill_rows(rec, BN, fmt.bytes, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
-            page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
+        for c0, width in ((0, fmt.code_bytes), (fmt.code_bytes, fmt.bytes - fmt.code_bytes)):  # codes, then scales
+            fill_rows(rec, BN, c0, width, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
+                page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
         for n, g in fl.parallel(BN, fmt.scales):  # a none slot's record is zeros: its values decode to 0
-            scale = scale_value(fmt, rec, n, g)
-            for j in T.unroll(fmt.group // 2):
-                for e in T.vectorized(2):  # a pair: one bf16x2 conversion and store
-                    k_tile[n, g * fmt.group + 2 * j + e] = as_operand(
-                        code_value(fmt, rec, n, g * fmt.group + 2 * j + e) * scale)
+            if fmt.name == "fp4":  # a byte of two codes -> a bf16x2, times 2^126, times the scale (both exact)
+                scale2 = codecs.bf16x2_of_f32(scale_value(fmt, rec, n, g))
+                values = T.alloc_local((fmt.group,), operand)
+                for j in T.unroll(fmt.group // 2):
+                    fl.put_bf16x2(values, 2 * j, fl.mul_bf16x2(fl.mul_bf16x2(
+                        codecs.e2m1_pair_bf16x2(rec[n, g * (fmt.group // 2) + j]), E2M1_REBIAS_BF16X2), scale2))
+                for e in T.vectorized(fmt.group):
+                    k_tile[n, g * fmt.group + e] = values[e]
+            else:
+                scale = scale_value(fmt, rec, n, g)
+                for j in T.unroll(fmt.group // 2):
+                    for e in T.vectorized(2):  # a pair: one bf16x2 conversion and store
+                        k_tile[n, g * fmt.group + 2 * j + e] = as_operand(
+                            code_value(fmt, rec, n, g * fmt.group + 2 * j + e) * scale)
 
     @T.macro
     def attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha):
@@ -166,6 +178,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             k_tile = fl.shared((BN, LATENT), operand)
             p_tile = fl.shared((BH, BN), operand)
             rec = fl.shared((BN, max(kv_fmt.bytes, swa_fmt.bytes)), "uint8")
+            o_partial = fl.shared((BH, LATENT), "float32")  # after the keys: shares the tiles' shared memory
             page = fl.shared((BN,), "int32")
             row = fl.shared((BN,), "int32")
             acc = fl.fragment((BH, LATENT), "float32")
@@ -204,13 +217,17 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                     if h0 + h < H:
                         Lse[t, h0 + h] = block_max[h] + T.log(block_sum[h])
                     alpha[h] = T.if_then_else(block_sum[h] > 0.0, alpha[h] / block_sum[h], T.float32(0))
+                for h, d in fl.parallel(BH, LATENT):  # staged in q_tile (free now), then 16-byte stores
+                    q_tile[h, d] = as_operand(acc[h, d] * alpha[h])
                 for h, d in fl.parallel(BH, LATENT):
                     if h0 + h < H:
-                        Out[t, h0 + h, d] = fl.store_bf16(acc[h, d] * alpha[h])
+                        Out[t, h0 + h, d] = q_tile[h, d] if fl.on_gpu else fl.store_bf16(q_tile[h, d])
             else:
+                for h, d in fl.parallel(BH, LATENT):  # staged in shared memory, then 16-byte stores
+                    o_partial[h, d] = acc[h, d]
                 for h, d in fl.parallel(BH, LATENT):
                     if h0 + h < H:
-                        PartialO[split, t, h0 + h, d] = acc[h, d]
+                        PartialO[split, t, h0 + h, d] = o_partial[h, d]
                 for h in fl.parallel(BH):
                     if h0 + h < H:
                         PartialML[split, t, h0 + h, 0] = m[h]
@@ -318,19 +335,18 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 # ---------------------------------------------------------------- tuning space
 
 # sm_90a builds (nvcc --resource-usage; both formats' paths in every build, one load path: attention_layout),
-# registers a thread at (block_h, threads, block_n): (64, 256, 16) 254 and (64, 256, 32) 255 (wgmma), (64, 256, 64)
-# 255 + 168 B of spills, (16, 128, 64) 230 (mma.sync: below 64 heads a tile no warpgroup MMA): the fp32 accumulator
-# [block_h, 512] takes at most 128 registers a thread, and next to it the warpgroup MMA's tiles leave room for 32
-# keys a block. Shared memory peaks at 172 KiB (64 heads, 64 keys: q and k tiles in bf16 and a 528-byte record
-# tile), within the 227 KiB a CTA may take, so it is not modelled.
+# registers a thread at (block_h, threads, block_n): (64, 256, 32) 252 and (64, 256, 64) 255 (wgmma, no spills),
+# (16, 128, 64) 230 (mma.sync: below 64 heads a tile no warpgroup MMA): the fp32 accumulator [block_h, 512] takes at
+# most 128 registers a thread. 64 keys a block fit beside it once the record gather walks codes and scales apart (a
+# power-of-two count of 16-byte pieces a row: 33 a row made int64 divisions whose results spilled). Shared memory
+# peaks at 192 KiB (64 heads: q and k tiles in bf16, a 528-byte record tile, the fp32 partials' staging sharing
+# their space after the keys), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
             "threads": (128, 256)},
     gpu_only=("threads",),
     limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
             lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
-            "block_n <= 32 with 64 heads a tile (registers: more keys spill next to the warpgroup MMA's accumulator)":
-            lambda p, c: c["block_h"] < 64 or c["block_n"] <= 32,
             "warps <= (block_h / 16) x (block_n / 8) (MMA pieces of the scores)":
             lambda p, c: c["threads"] // 32 <= c["block_h"] // 16 * (c["block_n"] // 8)},
 )
@@ -345,6 +361,4 @@ def attention_default(problem: AttentionProblem) -> dict:
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
-    if block_h == 64:
-        return {"block_h": 64, "block_n": 32, "max_splits": 16, "threads": 256}
-    return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 128}
+    return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 256 if block_h == 64 else 128}
