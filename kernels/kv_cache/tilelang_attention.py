@@ -7,14 +7,17 @@ grid: (T, ceil(H / block_h), splits); block: 128 or 256 threads; tile: block_h h
 latent, K = V) x block_n keys x 512 columns (TileLang's examples/deepseek_v32/sparse_mla_fwd.py, FlashMLA's decode).
   1. q_tile [block_h, 512] loaded once (16-byte cp.async where attention_layout found it aligned);
   2. per key block (key_splits: the top-k's blocks, then the window's): each slot's page and row (page -1: none),
-     the records gathered into shared memory, dequantized once into k_tile [block_n, 512] bf16 (codes placed in
-     fp32 bits, one exact power-of-two multiply, the block's scale; bf16x2 pairs; exact but below bf16 subnormals);
+     the records gathered into shared memory (codes, then scales), dequantized once into k_tile [block_n, 512]
+     bf16: FP4 a byte at a time into a bf16x2 (codes placed in bf16 bits, two exact multiplies: 2^126, the scale),
+     MXFP8 through fp32 bits; a scale block's values leave a register buffer in 16-byte stores;
   3. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift by m where finite, else 0: torch's logsumexp),
      p rounded to bf16, acc [block_h, 512] = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
-  4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges.
+  4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges;
+     both staged in shared memory (the tiles' space) and stored in 16-byte pieces.
 The key loop is not software-pipelined (TileLang 0.1.15 pipelines cp.async gathers only over a static trip count),
-so decode and MMA do not overlap within a CTA: issue binds it (docs/operators.md section 8, "Design"). On the CPU
-the tiles are local fp32 buffers holding the same bf16-rounded operands, and the loops run serially.
+so decode and MMA do not overlap within a CTA: issue binds it, at T = 4096 near the tensor term (model: 653 us,
+53% of the bf16 peak; docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers holding
+the same bf16-rounded operands, and the loops run serially.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -353,11 +356,11 @@ ATTENTION_SPACE = Space(
 
 
 def attention_default(problem: AttentionProblem) -> dict:
-    """A token's heads in one tile (64: two warpgroups on wgmma, 32-key blocks; fewer heads: 16 or 32, four warps,
-    64-key blocks) once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens
-    (decode): 16 heads a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The
-    performance model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 4.4 / 7.2 us, T = 64 (64-head tiles,
-    32 keys a block) 28.6 us; T = 4096, 16 / 32 keys a block: 1527 / 1106 us (64 keys spill: 896 us)."""
+    """A token's heads in one tile (64: two warpgroups on wgmma; fewer heads: 16 or 32, four warps), 64-key blocks,
+    once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens (decode): 16 heads
+    a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The performance
+    model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 5.2 us, T = 64 (64-head tiles) 19.4 us;
+    T = 4096, 32 / 64 keys a block: 875 / 653 us."""
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
