@@ -6,6 +6,7 @@ checked on every code, encoding on every grid value, every midpoint, +-1 fp32 ul
 them, special values and random fp32 bit patterns.
 """
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -284,3 +285,30 @@ def test_e2m1_pairs_lower_to_bf16x2_multiplies():
 
     source, _, _ = lower_sm90(_e2m1_pairs_kernel(GPU))
     assert source.count("tl::mul2(") == 2 and "__nv_bfloat162" in source
+
+
+def test_e4m3_pairs_times_every_scale_are_exact():
+    """The attention's MXFP8 decode (two codes -> bf16x2 bits, times 2^120, times the ue8m0 scale) gives each code's
+    value times the scale, rounded once to bf16, for every code in either place and every scale byte (NaN codes and
+    the NaN scale: NaN)."""
+    from flashkern.kernels._tilelang import CPU, compile_cpu
+
+    @T.prim_func
+    def pairs(Low: T.Tensor((256,), "uint8"), High: T.Tensor((256,), "uint8"), Out: T.Tensor((256, 256), "int32")):
+        with T.Kernel(1, threads=128):
+            for i, e in T.grid(256, 256):
+                Out[i, e] = T.reinterpret(CPU.mul_bf16x2(CPU.mul_bf16x2(
+                    codecs.e4m3_pair_bf16x2(Low[i], High[i]), T.uint32(codecs.E4M3_REBIAS_BF16X2)),
+                    codecs.bf16x2_of_f32(codecs.ue8m0_to_f32(T.Cast("uint8", e)))), "int32")
+
+    low = torch.arange(256, dtype=torch.uint8)
+    high = ((torch.arange(256) * 37 + 11) % 256).to(torch.uint8)  # every code in the high place too
+    out = torch.zeros(256, 256, dtype=torch.int32)
+    compile_cpu(pairs)(low, high, out)
+    scale = torch.where(torch.arange(256) == 255, torch.tensor(math.nan),
+                        torch.pow(2.0, torch.arange(256, dtype=torch.float64) - 127).float())
+    for got, codes in (((out << 16).view(torch.float32), low), ((out & -65536).view(torch.float32), high)):
+        want = (codes.view(torch.float8_e4m3fn).float()[:, None] * scale[None, :]).bfloat16().float()
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])

@@ -131,6 +131,21 @@ def e2m1_pair_bf16x2(byte):
     return (spread & T.uint32(0x01C001C0)) | (T.shift_left(spread, T.uint32(6)) & T.uint32(0x80008000))
 
 
+E4M3_REBIAS_BF16X2 = 0x7B807B80  # bf16 2^120 in both halves: what e4m3_pair_bf16x2 is multiplied by
+
+
+def e4m3_pair_bf16x2(low, high):
+    """Two float8_e4m3fn codes -> the bits of a bf16x2 holding each code's value x 2^-120 (times
+    E4M3_REBIAS_BF16X2, exact: the placement of e4m3_to_f32, in bf16). With the codes at bits 0 and 16, one shift
+    by 4 places both magnitudes (bits 4..10, 20..26) and one by 8 both signs (bits 15, 31); a NaN code (magnitude
+    0x7F, placed 0x7F0) is the one whose placed magnitude carries into bit 11 when one mantissa step is added, and
+    that bit times 15 fills the rest of the exponent: a bf16 NaN. No branch or select."""
+    spread = T.Cast("uint32", low) | T.shift_left(T.Cast("uint32", high), T.uint32(16))
+    magnitude = T.shift_left(spread, T.uint32(4)) & T.uint32(0x07F007F0)
+    nan = ((magnitude + T.uint32(0x00100010)) & T.uint32(0x08000800)) * T.uint32(15)
+    return magnitude | (T.shift_left(spread, T.uint32(8)) & T.uint32(0x80008000)) | nan
+
+
 def bf16x2_of_f32(x):
     """An fp32 that bf16 holds exactly (a scale) -> the bits of a bf16x2 holding it in both halves."""
     return (_u32(x) >> 16) * T.uint32(0x00010001)

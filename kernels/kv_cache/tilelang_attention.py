@@ -8,15 +8,15 @@ latent, K = V) x block_n keys x 512 columns (TileLang's examples/deepseek_v32/sp
   1. q_tile [block_h, 512] loaded once (16-byte cp.async where attention_layout found it aligned);
   2. per key block (key_splits: the top-k's blocks, then the window's): each slot's page and row (page -1: none),
      the records gathered into shared memory (codes, then scales), dequantized once into k_tile [block_n, 512]
-     bf16: FP4 a byte at a time into a bf16x2 (codes placed in bf16 bits, two exact multiplies: 2^126, the scale),
-     MXFP8 through fp32 bits; a scale block's values leave a register buffer in 16-byte stores;
+     bf16, two codes at a time into a bf16x2 (codes placed in bf16 bits, two exact multiplies: the rebias, the
+     scale); a scale block's values leave a register buffer in 16-byte stores;
   3. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift by m where finite, else 0: torch's logsumexp),
      p rounded to bf16, acc [block_h, 512] = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
   4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges;
      both staged in shared memory (the tiles' space) and stored in 16-byte pieces.
 The key loop is not software-pipelined (TileLang 0.1.15 pipelines cp.async gathers only over a static trip count),
-so decode and MMA do not overlap within a CTA: issue binds it, at T = 4096 near the tensor term (model: 653 us,
-53% of the bf16 peak; docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers holding
+so decode and MMA do not overlap within a CTA: issue binds it, at T = 4096 near the tensor term (model: 616 us,
+56% of the bf16 peak; docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers holding
 the same bf16-rounded operands, and the loops run serially.
 """
 
@@ -27,10 +27,9 @@ import torch
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
-from flashkern.kernels.kv_cache.tilelang_records import cache_arg, code_value, locate_slot, scale_value
+from flashkern.kernels.kv_cache.tilelang_records import cache_arg, locate_slot, scale_value
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
-E2M1_REBIAS_BF16X2 = T.uint32(codecs.E2M1_REBIAS_BF16X2)
 NEG_INF = -T.infinity("float32")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
@@ -55,6 +54,19 @@ def _rescale(m, shift):
 def _sink(Sink, h, has_sink):
     """The sink logit of head h, -inf without a sink."""
     return T.if_then_else(has_sink != 0, Sink[h], NEG_INF)
+
+
+def pair_bits(fmt, rec, n, g, j):
+    """The bf16x2 bits of codes 2j, 2j + 1 of scale block g of record n in rec, before the rebias."""
+    if fmt.name == "fp4":
+        return codecs.e2m1_pair_bf16x2(rec[n, g * (fmt.group // 2) + j])
+    first = g * fmt.group + 2 * j
+    return codecs.e4m3_pair_bf16x2(rec[n, first], rec[n, first + 1])
+
+
+def rebias(fmt):
+    """The bf16x2 power of two that takes pair_bits to the codes' values."""
+    return T.uint32(codecs.E2M1_REBIAS_BF16X2 if fmt.name == "fp4" else codecs.E4M3_REBIAS_BF16X2)
 
 
 def _cache_tensor(fmt, blocks, block_size, page_stride):
@@ -122,20 +134,14 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             fill_rows(rec, BN, c0, width, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
                 page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
         for n, g in fl.parallel(BN, fmt.scales):  # a none slot's record is zeros: its values decode to 0
-            if fmt.name == "fp4":  # a byte of two codes -> a bf16x2, times 2^126, times the scale (both exact)
-                scale2 = codecs.bf16x2_of_f32(scale_value(fmt, rec, n, g))
-                values = T.alloc_local((fmt.group,), operand)
-                for j in T.unroll(fmt.group // 2):
-                    fl.put_bf16x2(values, 2 * j, fl.mul_bf16x2(fl.mul_bf16x2(
-                        codecs.e2m1_pair_bf16x2(rec[n, g * (fmt.group // 2) + j]), E2M1_REBIAS_BF16X2), scale2))
-                for e in T.vectorized(fmt.group):
-                    k_tile[n, g * fmt.group + e] = values[e]
-            else:
-                scale = scale_value(fmt, rec, n, g)
-                for j in T.unroll(fmt.group // 2):
-                    for e in T.vectorized(2):  # a pair: one bf16x2 conversion and store
-                        k_tile[n, g * fmt.group + 2 * j + e] = as_operand(
-                            code_value(fmt, rec, n, g * fmt.group + 2 * j + e) * scale)
+            # two codes -> a bf16x2 (codecs), times the rebias, times the scale: both exact
+            scale2 = codecs.bf16x2_of_f32(scale_value(fmt, rec, n, g))
+            values = T.alloc_local((fmt.group,), operand)
+            for j in T.unroll(fmt.group // 2):
+                fl.put_bf16x2(values, 2 * j, fl.mul_bf16x2(fl.mul_bf16x2(pair_bits(fmt, rec, n, g, j), rebias(fmt)),
+                                                           scale2))
+            for e in T.vectorized(fmt.group):
+                k_tile[n, g * fmt.group + e] = values[e]
 
     @T.macro
     def attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha):
@@ -359,8 +365,8 @@ def attention_default(problem: AttentionProblem) -> dict:
     """A token's heads in one tile (64: two warpgroups on wgmma; fewer heads: 16 or 32, four warps), 64-key blocks,
     once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens (decode): 16 heads
     a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The performance
-    model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 5.2 us, T = 64 (64-head tiles) 19.4 us;
-    T = 4096, 32 / 64 keys a block: 875 / 653 us."""
+    model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 4.9 us, T = 64 (64-head tiles) 18.8 us;
+    T = 4096: 616 us (32 keys a block: 875 us before the MXFP8 pairs)."""
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
