@@ -25,7 +25,8 @@ Tile plan (every addressing mode): a block owns `rows` query rows x BN key slots
        fp8    one gemm over D (CH = 1); k_scale[n] times the head sum below (the reference's order)
        mxfp4  one gemm per 32-wide chunk c of D (CH = D / 32), each added with the weight
               2^(q_e - 127) * 2^(k_e - 127) (exact powers of two; a 0xFF byte is NaN)
-     then relu (NaN kept), times w[m, h] (padded heads give 0), and a sum over the HP heads of each row
+     then relu (NaN kept: one max.NaN.f32 on the GPU), times w[m, h] (padded heads give 0), and a sum over the
+     HP heads of each row
      (fp8: times k_scale[n]).
   3. store the [rows, BN] tile through a staging tile: the score where lo <= key_pos < hi, else -inf;
      fp32, or rounded to nearest-even bf16 (sparse: into the span's scores in shared memory, which the
@@ -57,6 +58,22 @@ from flashkern.kernels.tiles import SMS
 MX_BLOCK = 32  # values per ue8m0 scale in the MXFP4 form
 NO_POSITION = -1
 LAST_POSITION = 2**31 - 1
+
+# relu that keeps NaN in one instruction (PTX max.NaN.f32, sm_80+): TileLang's max of fp32 lowers to fmaxf, which
+# drops NaN, so the CUDA flavour calls this and the C flavour selects.
+RELU_KEEPING_NAN = """
+__device__ __forceinline__ float fk_relu_keeping_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
+def relu_keeping_nan(fl: Flavour, x):
+    """max(x, 0), NaN kept (as torch.relu); kernels that use it on the GPU import RELU_KEEPING_NAN."""
+    return T.call_extern("float32", "fk_relu_keeping_nan", x) if fl.on_gpu else T.if_then_else(x < 0.0, 0.0, x)
+
 
 
 def _head_slots(heads: int) -> int:
@@ -232,8 +249,8 @@ class _TileMacros:
                         acc[n, i] = acc[n, i] + part[n, i] * (q_scale[i, c] * codecs.ue8m0_to_f32(k_scale[n, c]))
             per_head = T.reshape(acc, (BN, rows, HP))
             for n, r, h in fl.parallel(BN, rows, HP):  # relu keeps NaN (a 0xFF scale), as the reference's
-                per_head[n, r, h] = T.if_then_else(
-                    h < H, T.if_then_else(per_head[n, r, h] < 0.0, 0.0, per_head[n, r, h]) * w_tile[r * HP + h], 0.0)
+                per_head[n, r, h] = T.if_then_else(h < H, relu_keeping_nan(fl, per_head[n, r, h]) * w_tile[r * HP + h],
+                                                   0.0)
             T.reduce_sum(per_head, logits, dim=2)
             if st.fp8:  # the key's scale times the head sum (a multiply a key and row, not a key and head)
                 for n, r in fl.parallel(BN, rows):
@@ -349,6 +366,8 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
         Out: st.out_tensor((M, N)),
     ):
         with T.Kernel(T.ceildiv(N, BN * TILES), T.ceildiv(M, BM), threads=config["threads"]) as (bx, by):
+            if fl.on_gpu:
+                T.import_source(RELU_KEEPING_NAN)
             _, key_pos, bounds = _addressing(fl, BM, BN)
             k_tile, k_scale, q_tile, w_tile, q_scale = tm.buffers()
             k_raw = tm.key_staging(k_tile)
@@ -448,6 +467,8 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
         Out: st.out_tensor((R, WIDTH)),
     ):
         with T.Kernel(T.ceildiv(WIDTH, BN * TILES), B * CHUNKS, threads=config["threads"]) as (bx, by):
+            if fl.on_gpu:
+                T.import_source(RELU_KEEPING_NAN)
             T.assume(NB > 0)  # (paged_args launches nothing for an empty cache)
             b, chunk = by // CHUNKS, by % CHUNKS
             m0 = b * NEXT + chunk * RW
@@ -546,6 +567,8 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
         KeptEnd: T.Tensor((M,), "int32"),
     ):
         with T.Kernel(T.ceildiv(NB * BLK, SPAN), M, threads=THREADS) as (bx, m):
+            if fl.on_gpu:
+                T.import_source(RELU_KEEPING_NAN)
             key_row, key_pos, bounds = _addressing(fl, 1, BN)
             span_scores = fl.shared((1, SPAN), "float32")
             chosen = fl.shared((1, KEEP), "int32")  # span slots taken, ascending
