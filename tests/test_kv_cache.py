@@ -400,16 +400,17 @@ def gpu_default(backend: str, inputs: dict, tokens: int | None = None) -> dict:
         return ATTENTION.implementation(backend).default_config(problem)
 
 
-@pytest.mark.parametrize("config", ["default", "gpu default", "gpu prefill default"])
+@pytest.mark.parametrize("config", ["default", "gpu default", "gpu batch default", "gpu prefill default"])
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("case", range(len(flashmla_recipe_cases())))
 def test_flashmla_sparse_decode_recipe(case, backend, config):
     """FlashMLA's V4.1 sparse-decode test (tests/test-sparse-decode.py), restated: out within 1e-3 abs or 2.01/128
     rel with a cosine difference under 5e-6, lse within 1e-6 abs or 8.01/65536 rel, specials identical; in this
-    device's default config and in the GPU's, at these tokens and at prefill's."""
+    device's default config and in the GPU's, at these tokens, at a decode batch's (64) and at prefill's."""
     inputs = flashmla_recipe_inputs(*flashmla_recipe_cases()[case], seed=case)
     expected = ATTENTION.reference(**fresh(ATTENTION, inputs))
     chosen = {"default": None, "gpu default": gpu_default(backend, inputs),
+              "gpu batch default": gpu_default(backend, inputs, tokens=64),  # TileLang: 16-head combine blocks
               "gpu prefill default": gpu_default(backend, inputs, tokens=4096)}[config]
     actual = ATTENTION.result_of(fresh(ATTENTION, inputs), backend=backend, config=chosen)
     failures = [flashmla_mismatch("out", actual.out, expected.out, 1e-3, 2.01 / 128, 5e-6),

@@ -28,12 +28,13 @@ from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, codecs, row_strided
 from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
 from flashkern.kernels.kv_cache.tilelang_records import cache_arg, locate_slot, scale_value
+from flashkern.kernels.tiles import SMS
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
 NEG_INF = -T.infinity("float32")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
-COMBINE_HEADS, COMBINE_COLUMNS = 4, 128  # a combine block's tile: 64 blocks at T = 1, H = 64
+COMBINE_COLUMNS = 128  # a combine block's columns; its heads: the config's combine_heads (combine_heads_for)
 BF16_PER_16_BYTES = 8
 
 
@@ -247,11 +248,11 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
 
 def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
     """Stage 2 (module docstring): merge the splits' partials [splits, T, H, ..], the sink joining. A block takes
-    COMBINE_HEADS heads x COMBINE_COLUMNS columns of a token (Triton's combine tile): the heads' split weights
+    combine_heads heads x COMBINE_COLUMNS columns of a token (Triton's tile at 4 heads): the heads' split weights
     exp(shift(m_s) - shift) / d from two row reductions over the [heads, max_splits] tile of maxima and sums, into
     shared memory once; then each column sums its partials over the splits that ran (a loop over the run-time
     split count: a plan with few splits loads nothing for the rest)."""
-    MS, CH, CD = config["max_splits"], COMBINE_HEADS, COMBINE_COLUMNS
+    MS, CH, CD = config["max_splits"], config["combine_heads"], COMBINE_COLUMNS
     NT, H, SP = T.dynamic("T"), T.dynamic("heads"), T.dynamic("splits")
 
     def partial(PartialML, t, s, h, field, none):
@@ -352,7 +353,7 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 # their space after the keys), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
-            "threads": (128, 256)},
+            "threads": (128, 256), "combine_heads": (4, 8, 16)},
     gpu_only=("threads",),
     limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
             lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
@@ -365,9 +366,18 @@ def attention_default(problem: AttentionProblem) -> dict:
     """A token's heads in one tile (64: two warpgroups on wgmma; fewer heads: 16 or 32, four warps), 64-key blocks,
     once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens (decode): 16 heads
     a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The performance
-    model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 4.9 us, T = 64 (64-head tiles) 18.8 us;
+    model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 4.9 us, T = 64 (64-head tiles) 16.5 us;
     T = 4096: 616 us (32 keys a block: 875 us before the MXFP8 pairs)."""
+    combine = {"combine_heads": combine_heads_for(problem)}
     if problem.tokens * -(-problem.heads // 64) < 32:
-        return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}
+        return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128, **combine}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
-    return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 256 if block_h == 64 else 128}
+    return {"block_h": block_h, "block_n": 64, "max_splits": 16, "threads": 256 if block_h == 64 else 128, **combine}
+
+
+def combine_heads_for(problem: AttentionProblem) -> int:
+    """The combine's heads a block: the most (16, 8, 4) that still leave a block per SM, so a batch of tokens takes
+    fewer, longer blocks (model, T = 64: 4096 blocks of 4 heads, latency-bound at 8.0 us -> 1024 of 16, 5.7 us on
+    the partials' HBM traffic) and a single token keeps 64 (16 would leave 116 SMs idle: 1.0 -> 3.0 us)."""
+    column_blocks = LATENT // COMBINE_COLUMNS
+    return next((c for c in (16, 8) if problem.tokens * -(-problem.heads // c) * column_blocks >= SMS), 4)

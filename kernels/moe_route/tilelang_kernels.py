@@ -23,12 +23,20 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
-from flashkern.kernels.moe_route.problem import slot_layout
+from flashkern.kernels.moe_route.problem import LOG1P_UNIT, slot_layout
 from flashkern.kernels.tiles import SMS, split_plan
 
 LOWEST = -3.4028234663852886e38  # lowest finite fp32: NaN keys rank here, below every number
 NO_SLOT = 1.0e9  # above every slot index; slots travel as exact fp32 integers through min-reductions
 RMS_BLOCK_D = 8192  # the gate's 1 / rms stage: columns a step at most
+
+
+def log1p_unit(u):
+    """log(1 + u) for u in [0, 1]: u + u^2 P(u), P by Horner's rule over problem.LOG1P_UNIT (9 FMAs)."""
+    p = T.float32(LOG1P_UNIT[-1])
+    for c in reversed(LOG1P_UNIT[:-1]):
+        p = p * u + T.float32(c)
+    return u + u * u * p
 
 
 def route_slots(routing) -> tuple[int, int, int]:
@@ -99,13 +107,11 @@ def _route_macro(problem, rows: int, fl: Flavour):
         slot_sel = fl.fragment((rows, KP), "float32")
 
         # 1. scores and selection keys
-        if r.score == "sqrtsoftplus":  # sqrt(max(x, 0) + log1p(exp(-|x|))), log1p by Goldberg's correction
+        if r.score == "sqrtsoftplus":  # sqrt(max(x, 0) + log1p(exp(-|x|))), log1p by problem.LOG1P_UNIT
             for i, n in fl.parallel(rows, NP):
                 scratch[i, n] = T.exp(-T.max(x[i, n], -x[i, n]))
             for i, n in fl.parallel(rows, NP):
-                s[i, n] = T.if_then_else(real(n), T.sqrt(T.max(x[i, n], 0.0) + T.if_then_else(
-                    1.0 + scratch[i, n] == 1.0, scratch[i, n],
-                    T.log(1.0 + scratch[i, n]) * scratch[i, n] / ((1.0 + scratch[i, n]) - 1.0))), 0.0)
+                s[i, n] = T.if_then_else(real(n), T.sqrt(T.max(x[i, n], 0.0) + log1p_unit(scratch[i, n])), 0.0)
         elif r.score == "sigmoid":
             for i, n in fl.parallel(rows, NP):
                 s[i, n] = T.if_then_else(real(n), 1.0 / (1.0 + T.exp(-x[i, n])), 0.0)

@@ -26,7 +26,7 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
-from flashkern.kernels.moe_route.problem import slot_layout
+from flashkern.kernels.moe_route.problem import LOG1P_UNIT, slot_layout
 from flashkern.kernels.tiles import SMS, split_plan
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -35,17 +35,19 @@ CHUNK = 32  # expert slots per chunk, a lane each (wider chunks take Triton's de
 NO_SLOT = tl.constexpr(2**31 - 1)
 
 
+_P0, _P1, _P2, _P3, _P4, _P5, _P6, _P7 = (tl.constexpr(c) for c in LOG1P_UNIT)
+
+
 @triton.jit
 def _log1p_unit(u):
-    """log(1 + u) for u in [0, 1] as u + u^2 P(u), P a degree-7 Chebyshev fit: within 4 ulp, 9 FMAs (no log, no
-    division; libdevice's logf and Goldberg's correction took about 45 instructions)."""
-    p = 0.005253458 * u - 0.029588507
-    p = p * u + 0.07836167
-    p = p * u - 0.1367477
-    p = p * u + 0.1911143
-    p = p * u - 0.2484437
-    p = p * u + 0.3331927
-    p = p * u - 0.49999502
+    """log(1 + u) for u in [0, 1] (problem.LOG1P_UNIT: u + u^2 P(u), Horner's rule)."""
+    p = _P7 * u + _P6
+    p = p * u + _P5
+    p = p * u + _P4
+    p = p * u + _P3
+    p = p * u + _P2
+    p = p * u + _P1
+    p = p * u + _P0
     return u + u * u * p
 
 
