@@ -41,6 +41,10 @@ def _one_program_a_tile(default: dict) -> dict:
             "separate_route": False}
 
 
+def _sixteen_head_groups(default: dict) -> dict:
+    return {**default, "block_h": 16, "threads": 128}
+
+
 def _unsplit_16_row_tiles(default: dict) -> dict:
     return {**default, "block_t": 16, "splits": 1, "threads": 128, "num_stages": 2}
 
@@ -49,7 +53,7 @@ DESIGNS = {  # operator -> backend -> (design name, config or default -> config)
     "sparse_decode_attention": {
         "triton": ("16-head groups", {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8,
                                       "num_stages": 2}),
-        "tilelang": ("16-head groups", {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128}),
+        "tilelang": ("16-head groups", _sixteen_head_groups),
     },
     "sparse_mqa_logits": {
         "triton": ("every candidate kept", {"block_n": 256, "tiles": 1, "num_warps": 8}),
