@@ -400,8 +400,10 @@ def gpu_default(backend: str, inputs: dict, tokens: int | None = None) -> dict:
         return ATTENTION.implementation(backend).default_config(problem)
 
 
-@pytest.mark.parametrize("config", ["default", "gpu default", "gpu batch default", "gpu prefill default"])
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize(("backend", "config"), [  # the decode batch's default differs from T's only in TileLang
+    (backend, config) for backend in KERNELS for config in ("default", "gpu default", "gpu batch default",
+                                                             "gpu prefill default")
+    if config != "gpu batch default" or backend == "tilelang"])
 @pytest.mark.parametrize("case", range(len(flashmla_recipe_cases())))
 def test_flashmla_sparse_decode_recipe(case, backend, config):
     """FlashMLA's V4.1 sparse-decode test (tests/test-sparse-decode.py), restated: out within 1e-3 abs or 2.01/128

@@ -3,21 +3,16 @@
     s_j = scale * q[t, h] . kv_j over the selected keys j of token t (both caches; -1 / out-of-range slots are none)
     d = sum_j exp(s_j) + exp(sink[h]);  out = bf16(sum_j exp(s_j) / d * kv_j);  lse = log d
 
-grid: (T, ceil(H / block_h), splits); block: 128 or 256 threads; tile: block_h heads (the MMA's M side: MQA over the
-latent, K = V) x block_n keys x 512 columns (TileLang's examples/deepseek_v32/sparse_mla_fwd.py, FlashMLA's decode).
-  1. q_tile [block_h, 512] loaded once (16-byte cp.async where attention_layout found it aligned);
-  2. per key block (key_splits: the top-k's blocks, then the window's): each slot's page and row (page -1: none),
-     the records gathered into shared memory (codes, then scales), dequantized once into k_tile [block_n, 512]
-     bf16, two codes at a time into a bf16x2 (codes placed in bf16 bits, two exact multiplies: the rebias, the
-     scale); a scale block's values leave a register buffer in 16-byte stores;
-  3. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift by m where finite, else 0: torch's logsumexp),
-     p rounded to bf16, acc [block_h, 512] = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
-  4. one split writes out and lse (the sink joins); several write fp32 partials that `combine_program` merges;
-     both staged in shared memory (the tiles' space) and stored in 16-byte pieces.
-The key loop is not software-pipelined (TileLang 0.1.15 pipelines cp.async gathers only over a static trip count),
-so decode and MMA do not overlap within a CTA: issue binds it, at T = 4096 near the tensor term (model: 616 us,
-56% of the bf16 peak; docs/operators.md section 8, "Design"). On the CPU the tiles are local fp32 buffers holding
-the same bf16-rounded operands, and the loops run serially.
+grid (T, ceil(H / block_h), splits); tile: block_h heads (the MMA's M side; K = V) x block_n keys x 512 columns.
+  1. q_tile [block_h, 512] once; per key block (key_splits: top-k blocks, then the window's) the slots' records
+     gathered to shared memory (codes, then scales) and decoded once into k_tile bf16, two codes per bf16x2
+     (bits placed, two exact multiplies: rebias, scale), 16-byte stores;
+  2. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift 0 where m is not finite), p rounded to bf16,
+     acc = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
+  3. out and lse (the sink joins), or fp32 partials for `combine_program`, staged in shared memory, 16-byte stores.
+H200: issue-bound (the decode, the QK k-steps, the rescale); T = 4096 near the tensor term (616 us, 56% of the
+bf16 peak). The key loop is not pipelined (TileLang 0.1.15 pipelines cp.async gathers only over static trip
+counts). CPU: the tiles are local fp32 buffers of the same bf16 values; docs/operators.md section 8.3.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
