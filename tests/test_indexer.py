@@ -712,3 +712,51 @@ def test_tilelang_first_digit_bins_and_lowest_keys_agree():
     assert quarter.tolist() == list(range(int(quarter[0]), int(quarter[0]) + 5)), quarter
     assert run(key(torch.tensor([float("nan"), -float("inf"), -0.0, 0.0, float("inf")])))[0].tolist() == [
         0, 0, 127, 128, 255]
+
+
+NAN_KEEPING_RELU_PTX = """
+import json, sys
+import flashkern
+from flashkern import registry
+from flashkern.kernels import _triton
+
+ptx = []
+assemble = _triton.assemble
+_triton.assemble = lambda text, *rest: ptx.append(text) or assemble(text, *rest)  # (this process only)
+op = registry.get(sys.argv[1])
+impl = op.implementation("triton")
+problem = op.presets["smoke"][0]
+inputs = op.make_inputs(problem, "cpu", 0)
+op.check(inputs)
+with flashkern.planning_for_gpu():
+    config = impl.default_config(problem)
+impl.build_stages_sm90(problem, inputs, config, op.empty_outputs(problem, inputs))
+print(json.dumps(["max.NaN.f32" in text for text in ptx]))
+"""
+
+
+@pytest.mark.parametrize("name", ["mqa_logits", "paged_mqa_logits", "sparse_mqa_logits"])
+def test_scoring_relu_keeps_nan_on_the_gpu(name):
+    """The GPU's relu keeps NaN (max.NaN.f32): the interpreter's maximum keeps NaN whatever its flag and the C target
+    selects, so only the sm_90a builds tell a NaN-dropping max apart. Triton's PTX, TileLang's imported function."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if nvcc_path() is None:
+        pytest.skip("nvcc (and ptxas) absent: no sm_90a build to read")
+    found = subprocess.run([sys.executable, "-c", NAN_KEEPING_RELU_PTX, name], capture_output=True, text=True,
+                           env={**os.environ, "TRITON_INTERPRET": "0"}, check=True).stdout
+    assert any(json.loads(found.splitlines()[-1])), "no max.NaN.f32 in any stage's PTX"
+    assert "max.NaN.f32" in tilelang_logits.RELU_KEEPING_NAN
+    op = registry.get(name)
+    problem = op.presets["smoke"][0]
+    impl = op.implementation("tilelang")
+    inputs = op.make_inputs(problem, "cpu", 0)
+    op.check(inputs)
+    from flashkern.kernels._tilelang import lower_sm90
+
+    sources = [lower_sm90(func)[0] for func in impl.kernel.programs(problem, impl.default_config(problem), GPU,
+                                                                      impl.kernel.layout_of(inputs))]
+    assert any("fk_relu_keeping_nan(" in source.split("extern \"C\"")[-1] for source in sources)

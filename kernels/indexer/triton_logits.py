@@ -211,7 +211,7 @@ def indexer_logits_kernel(
                                               stride_k_slot, stride_ks_page, stride_ks_slot, MODE, BLOCK)
             S = _head_dots(q_tile, q_ptr, q_scale_ptr, q_row, qs_row, q_ok, k_ptr, k_scale_ptr, k_row, ks_row,
                            needed, FP4, D, BLOCK_D)
-            relu = tl.where(S < 0.0, 0.0, S)  # NaN stays NaN (a 0xFF scale), as the reference's relu
+            relu = tl.maximum(S, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN kept (a 0xFF scale): max.NaN.f32
             heads = tl.reshape(relu, (BLOCK_N, ROWS_PAD, H_PAD)) * w[None, :, :]
             scores = tl.sum(heads, axis=2)
             if not FP4:
