@@ -48,6 +48,7 @@ from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import ue8m0_decode
 from flashkern.kernels.indexer.problem import kept_per_span, kept_width, span_slots
 from flashkern.kernels.indexer.triton_topk import NAN_KEY, NEG_INF_KEY, flip_negative, order_key, select_in_registers
+from flashkern.kernels.tiles import SMS
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
 MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
@@ -424,19 +425,21 @@ def _space(params: dict, rows_of, constraints: dict | None = None, limits: dict 
     )
 
 
-def _gpu_block_n(indexer, rows: int) -> int:
-    """The widest key tile whose S stays at the default values per thread on 8 warps (the narrowest if none does)."""
-    target = DEFAULT_VALUES_PER_THREAD[indexer.fmt]
+def _gpu_block_n(indexer, rows: int, target: int | None = None) -> int:
+    """The widest key tile whose S stays at `target` values per thread (default: the format's default) on 8 warps
+    (the narrowest if none does)."""
+    target = target or DEFAULT_VALUES_PER_THREAD[indexer.fmt]
     for block_n in (256, 128, 64):
         if _values_per_thread(indexer, rows, {"block_n": block_n, "num_warps": 8}) <= target:
             return block_n
     return 64
 
 
-def _tiles(programs_per_span: int, width: int, block_n: int) -> int:
-    """Key tiles per program: the most that still leave ~2 programs per SM of an H200 (132 SMs)."""
+def _tiles(programs_per_span: int, width: int, block_n: int, per_sm: int = 2) -> int:
+    """Key tiles per program: the most that still leave `per_sm` programs per SM of an H200 (132 SMs; one where a
+    program's registers leave room for no second)."""
     tiles = TILES[-1]
-    while tiles > 1 and programs_per_span * triton.cdiv(width, block_n * tiles) < 264:
+    while tiles > 1 and programs_per_span * triton.cdiv(width, block_n * tiles) < per_sm * SMS:
         tiles //= 4
     return tiles
 
@@ -451,19 +454,22 @@ LOGITS_SPACE = _space({"block_m": (1, 2, 4, 8, 16, 32, 64), "block_n": (64, 128,
 
 
 def logits_default(problem) -> dict:
-    """GPU: q tiles of 128 (fp8) or 64 (mxfp4) (row, head) slots on 8 warps, key tiles as wide as S's default
-    values per thread allow. Interpreter (each tl op costs about the same whatever its size): up to 1024 slots x
-    256 keys."""
+    """GPU: q tiles of 64 (mxfp4) or, fp8, 128 (row, head) slots (256 from 8 rows) on 8 warps, key tiles as wide as
+    S's default values per thread allow (fp8: twice them; 3.6 and 3.9 build 254 registers, no spills). Model,
+    16 rows x 8K / 64K / 512K keys: 3.0 / 12.0 / 72.0 -> 2.0 / 7.0 / 51.2 us (tensor-bound at 512K), one row x 64K /
+    512K: 6.0 / 24.0 -> 3.0 / 19.1 us. Interpreter (each tl op costs about the same whatever its size): up to 1024
+    slots x 256 keys."""
     heads = triton.next_power_of_2(problem.indexer.heads)
     if flashkern.triton_interpreted():
         block_m = max(1, min(64, 1024 // heads, triton.next_power_of_2(max(problem.rows, 1))))
         block_n = _interpreted_block_n(problem.keys, 256, _slots(problem.indexer, block_m))
         return {"block_m": block_m, "block_n": block_n, "tiles": 64, "num_warps": 8}
-    slots = 128 if problem.indexer.fmt == "fp8" else 64
+    fp8 = problem.indexer.fmt == "fp8"
+    slots = (256 if problem.rows >= 8 else 128) if fp8 else 64
     block_m = max(1, slots // heads)
-    block_n = _gpu_block_n(problem.indexer, block_m)
+    block_n = _gpu_block_n(problem.indexer, block_m, 2 * DEFAULT_VALUES_PER_THREAD["fp8"] if fp8 else None)
     return {"block_m": block_m, "block_n": block_n, "num_warps": 8,
-            "tiles": _tiles(triton.cdiv(problem.rows, block_m), problem.keys, block_n)}
+            "tiles": _tiles(triton.cdiv(problem.rows, block_m), problem.keys, block_n, 1 if slots == 256 else 2)}
 
 
 WIDE_KEY_TILES = {"block_n": (64, 128, 256, 512, 1024)}
