@@ -12,7 +12,9 @@ import os
 
 os.environ.setdefault("FLASHKERN_CHECKED", "1")  # before flashkern is imported
 
-from hypothesis import HealthCheck, settings
+import flashkern  # noqa: E402,F401  (before any test module imports triton: flashkern picks the interpreter, which
+# Triton reads when its own library is decorated; a module importing triton first left tl.cdiv a plain JITFunction)
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
