@@ -245,6 +245,15 @@ def test_lowers_for_sm90(fmt):
         assert threads == 128
 
 
+def assert_halves_equal(out: torch.Tensor, want_low: torch.Tensor, want_high: torch.Tensor):
+    """Each bf16 half of the int32 bf16x2 words `out` equals the fp32 (bf16-valued) `want_*` bit for bit (-0
+    included), NaN where it is NaN."""
+    for got, want in (((out << 16).view(torch.float32), want_low), ((out & -65536).view(torch.float32), want_high)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+
+
 def _e2m1_pairs_kernel(fl):
     """out[b, s] = the bf16x2 bits of byte b's two e2m1 codes times e4m3 scale code s, as the attention decodes."""
     from flashkern.kernels._tilelang import CPU, compile_cpu
@@ -268,16 +277,11 @@ def test_e2m1_pairs_times_every_scale_are_exact():
     scales = torch.arange(256, dtype=torch.uint8)
     out = torch.zeros(256, 256, dtype=torch.int32)
     _e2m1_pairs_kernel(CPU)(scales, out)
-    got_low = (out << 16).view(torch.float32)
-    got_high = (out & -65536).view(torch.float32)
     codes = torch.arange(256, dtype=torch.uint8)
     scale = scales.view(torch.float8_e4m3fn).float()
     want_low = (E2M1.decode_ref(codes & 0xF)[:, None] * scale[None, :]).bfloat16().float()
     want_high = (E2M1.decode_ref(codes >> 4)[:, None] * scale[None, :]).bfloat16().float()
-    for got, want in ((got_low, want_low), (got_high, want_high)):
-        nan = want.isnan()
-        assert torch.equal(got.isnan(), nan)
-        assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])  # -0 included
+    assert_halves_equal(out, want_low, want_high)
 
 
 def test_e2m1_pairs_lower_to_bf16x2_multiplies():
@@ -307,8 +311,6 @@ def test_e4m3_pairs_times_every_scale_are_exact():
     compile_cpu(pairs)(low, high, out)
     scale = torch.where(torch.arange(256) == 255, torch.tensor(math.nan),
                         torch.pow(2.0, torch.arange(256, dtype=torch.float64) - 127).float())
-    for got, codes in (((out << 16).view(torch.float32), low), ((out & -65536).view(torch.float32), high)):
-        want = (codes.view(torch.float8_e4m3fn).float()[:, None] * scale[None, :]).bfloat16().float()
-        nan = want.isnan()
-        assert torch.equal(got.isnan(), nan)
-        assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+    want_low, want_high = ((codes.view(torch.float8_e4m3fn).float()[:, None] * scale[None, :]).bfloat16().float()
+                           for codes in (low, high))
+    assert_halves_equal(out, want_low, want_high)

@@ -735,7 +735,7 @@ print(json.dumps(["max.NaN.f32" in text for text in ptx]))
 """
 
 
-def test_scoring_relu_keeps_nan_on_the_gpu(name="mqa_logits"):
+def test_scoring_relu_keeps_nan_on_the_gpu():
     """The GPU's relu keeps NaN (max.NaN.f32): the interpreter's maximum keeps NaN whatever its flag and the C target
     selects, so only the sm_90a builds tell a NaN-dropping max apart. Triton's PTX, TileLang's imported function
     (each DSL's three scorers share the relu's code: mqa_logits builds fastest)."""
@@ -744,6 +744,7 @@ def test_scoring_relu_keeps_nan_on_the_gpu(name="mqa_logits"):
     import subprocess
     import sys
 
+    name = "mqa_logits"
     if nvcc_path() is None:
         pytest.skip("nvcc (and ptxas) absent: no sm_90a build to read")
     found = subprocess.run([sys.executable, "-c", NAN_KEEPING_RELU_PTX, name], capture_output=True, text=True,
