@@ -99,14 +99,16 @@ def _post_macro(n: int, fl: Flavour):
     @T.macro
     def post_column(Y, Res, Post, Comb, Out, t, d, res, out):
         """Out[t, j, d] = bf16(sum_i comb[i, j] res_i + post_j y) for every stream j; out [n] keeps the rounded
-        values as fp32; res: local scratch [n]."""
+        values as fp32; res: local scratch [n + 1] (the n residual values, then y: each loaded once, as the
+        stores to Out may alias them for the compiler)."""
         for i in T.unroll(n):
             res[i] = fl.load_bf16(Res[t, i, d])
+        res[n] = fl.load_bf16(Y[t, d])
         for j in T.unroll(n):
             out[j] = 0.0
             for i in T.unroll(n):
                 out[j] = out[j] + Comb[t, i, j] * res[i]
-            out[j] = fl.round_bf16(out[j] + Post[t, j] * fl.load_bf16(Y[t, d]))
+            out[j] = fl.round_bf16(out[j] + Post[t, j] * res[n])
             Out[t, j, d] = fl.store_bf16(out[j])
 
     return post_column
@@ -167,7 +169,7 @@ def post_program(problem: MhcProblem, config: dict, fl: Flavour):
         Out: T.Tensor((NT, n, D), fl.bf16),
     ):
         with T.Kernel(NT, T.ceildiv(D, BD), threads=config["threads"]) as (t, bd):
-            res = T.alloc_local((n,), "float32")
+            res = T.alloc_local((n + 1,), "float32")
             out = T.alloc_local((n,), "float32")
             for d in fl.parallel(BD):
                 if bd * BD + d < D:
