@@ -263,13 +263,17 @@ def _dominates(idom: list[int], a: int, b: int) -> bool:
     return b == a
 
 
-def count(instructions: list[Instruction]) -> Profile:
+def count(instructions: list[Instruction], warp_share=None) -> Profile:
     """Per-pipe counts outside loops and per loop trip (nested loops excluded). Loops are natural loops: a back
     edge is a branch to a block that dominates it, and its loop is every block that reaches the branch without
     passing the header (so code ptxas lays out of line, a barrier's retry path, stays in its own loop). Code
-    that cannot be reached from the entry (the self-branch after EXIT) is not counted. Sibling loops that reach
-    one another lie on one path; paths that no loop joins are exclusive (warp-specialized roles: a producer's
-    loops, each consumer's): a warp runs one of them, so each path is given an equal share of the warps."""
+    that cannot be reached from the entry (the self-branch after EXIT) is not counted.
+    Warp-specialized roles: `warp_share(instruction)` (from the source's role branches, `warp_shares`) gives the
+    share of a CTA's warps that run each instruction, which it counts for. Without it, or where the source has no
+    role branch, roles come from the control flow: sibling loops neither of which reaches the other lie on
+    exclusive paths (a producer's loop, a consumer's), and a loop gets an equal share of the warps with the most
+    loops it is exclusive with that are exclusive with one another (loops before or after the roles, which
+    every path reaches, keep them all)."""
     empty = dict.fromkeys((*PIPES, *EVENTS), 0)
     if not instructions:
         return Profile(dict(empty))
@@ -303,6 +307,7 @@ def count(instructions: list[Instruction]) -> Profile:
         innermost.update(dict.fromkeys(bodies[h], index[h]))
     pending: dict = {}  # region (loop index, -1 outside loops) -> a blocking global load since its last barrier
     by_line: dict = {}  # straight-line counts by source line
+    roles_in_source = False
     for k in sorted(reachable, key=lambda k: blocks[k].start):
         region = innermost.get(k, -1)
         counted = counts[region] if region >= 0 else straight
@@ -310,10 +315,12 @@ def count(instructions: list[Instruction]) -> Profile:
             ins = instructions[i]
             if ins.opcode == "NOP":
                 continue
-            counted[pipe(ins.opcode)] += 1
+            share = 1.0 if warp_share is None else warp_share(ins)
+            roles_in_source |= share < 1.0
+            counted[pipe(ins.opcode)] += share
             line_counts = by_line.setdefault(ins.site, dict(empty)) if region < 0 and ins.site else None
             if line_counts is not None:
-                line_counts[pipe(ins.opcode)] += 1
+                line_counts[pipe(ins.opcode)] += share
             if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
                 counted[event] += 1
                 if line_counts is not None:
@@ -330,26 +337,23 @@ def count(instructions: list[Instruction]) -> Profile:
                     line_counts["global_phase"] += 1
                 pending[region] = False
     reaches = {h: _reachable(successors, h) for h in headers}
-    role = {h: h for h in headers}  # union-find: siblings that share a path (one reaches the other) join one role
 
-    def representative(h):
-        while role[h] != h:
-            role[h] = role[role[h]]
-            h = role[h]
-        return h
+    def exclusive(h, g):
+        return g != h and parent_of[g] == parent_of[h] and g not in reaches[h] and h not in reaches[g]
 
-    for h in headers:
+    def alternatives(h):  # h and a greedy set of siblings exclusive with it and with one another
+        chosen = [h]
         for g in headers:
-            if g != h and parent_of[g] == parent_of[h] and g in reaches[h]:
-                role[representative(g)] = representative(h)
-    roles = {parent: len({representative(h) for h in headers if parent_of[h] == parent})
-             for parent in set(parent_of.values())}
+            if all(exclusive(c, g) for c in chosen):
+                chosen.append(g)
+        return len(chosen)
+
     loops = []
     for h in headers:
         branch = instructions[blocks[latch[h]][-1]]
         parent = -1 if parent_of[h] is None else index[parent_of[h]]
         loops.append(Loop(instructions[blocks[h].start].address, branch.address, parent, counts[index[h]],
-                          branch.line, share=1.0 / roles[parent_of[h]]))
+                          branch.line, share=1.0 if roles_in_source else 1.0 / alternatives(h)))
     return Profile(straight, tuple(loops), tuple(by_line.items()))
 
 
@@ -535,10 +539,53 @@ def no_unroll(ptx: str) -> str:
     return ptx[:m.end()] + '\n.pragma "nounroll";\n' + ptx[m.end():]
 
 
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)")
+_THREAD_BRANCH = re.compile(r"^\s*if\s*\(\(\(int\)threadIdx\.x\)\s*(?P<op><|>=)\s*(?P<bound>\d+)\)\s*\{\s*$")
+
+
+def warp_shares(source: str) -> dict:
+    """Line -> share of the CTA's warps that run it, for the lines inside role branches of generated CUDA C
+    (TileLang's warp specialization: `if (((int)threadIdx.x) < N) { .. } else { .. }`, nested or not): a branch
+    over threads [lo, hi) runs on the warps that hold any of them, out of the `__launch_bounds__` threads'."""
+    bounds = _LAUNCH_BOUNDS.search(source)
+    if bounds is None:
+        return {}
+    threads = int(bounds.group(1))
+    warps = -(-threads // 32)
+    current = (0, threads)
+    stack: list = []  # per open brace: (the range around it, the else-branch's range for a role branch or None)
+    shares = {}
+    for number, line in enumerate(source.splitlines(), start=1):
+        if current != (0, threads):
+            lo, hi = current
+            shares[number] = max(0, -(-hi // 32) - lo // 32) / warps if hi > lo else 0.0
+        branch = _THREAD_BRANCH.match(line)
+        if branch:
+            lo, hi = current
+            bound = int(branch.group("bound"))
+            below, above = (lo, min(hi, bound)), (max(lo, bound), hi)
+            taken, other = (below, above) if branch.group("op") == "<" else (above, below)
+            stack.append((current, other))
+            current = taken
+            continue
+        if re.match(r"^\s*\}\s*else\s*\{\s*$", line) and stack and stack[-1][1] is not None:
+            outer, other = stack.pop()
+            stack.append((outer, None))
+            current = other
+            continue
+        for char in line:
+            if char == "{":
+                stack.append((current, None))
+            elif char == "}" and stack:
+                current = stack.pop()[0]
+    return shares
+
+
 def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profile:
     """The issue profile of `ptx`: assembled by `command` (a ptxas or nvcc -cubin; the PTX path and `-o cubin`
     are appended) with unrolling off and line info on, then disassembled. `sources` (path -> text) gives each
-    loop's header text, for sources that are gone when the model runs (TileLang's generated CUDA C)."""
+    loop's header text and the warp roles (`warp_shares`), for sources that are gone when the model runs
+    (TileLang's generated CUDA C)."""
     with tempfile.TemporaryDirectory(prefix="flashkern-sass-") as tmp:
         path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(path, "w") as f:
@@ -550,7 +597,13 @@ def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profil
         if listing.returncode != 0:
             raise RuntimeError("nvdisasm failed:\n" + listing.stderr[-4000:])
     kernel = re.search(r"^\s*\.(?:visible\s+)?\.entry\s+(\w+)", ptx, re.M)
-    counted = count(parse(listing.stdout, kernel.group(1) if kernel else None))
+    roles = {path: warp_shares(text) for path, text in (sources or {}).items()}
+
+    def warp_share(instruction):
+        site = instruction.site
+        return roles.get(site[0], {}).get(site[1], 1.0) if site else 1.0
+
+    counted = count(parse(listing.stdout, kernel.group(1) if kernel else None), warp_share)
     lines = {path: text.splitlines() for path, text in (sources or {}).items()}
 
     def text_of(header):

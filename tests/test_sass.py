@@ -351,11 +351,87 @@ def _roles(joined: bool) -> str:
         """)
 
 
-@pytest.mark.parametrize("joined, shares", [(False, [0.5, 0.5, 0.5]), (True, [1.0, 1.0, 1.0])])
-def test_loops_on_exclusive_paths_share_the_warps_until_a_loop_joins_them(joined, shares):
+@pytest.mark.parametrize("joined, shares", [(False, [0.5, 0.5, 0.5]), (True, [0.5, 0.5, 1.0])])
+def test_loops_on_exclusive_paths_share_the_warps(joined, shares):
     """Two sibling loops neither of which reaches the other are warp-specialized roles: each runs on half the warps
-    (the third loop, reached from the first only, shares its role); a third loop both reach joins them, and all
-    three lie on one path (a later loop merges the groups it joins)."""
+    (the third loop, reached from the first only, is exclusive with the second: half too); a third loop both reach
+    runs on every warp, and the roles before it keep their halves."""
     profile = sass.count(sass.parse(_roles(joined)))
     assert [loop.header[1] for loop in profile.loops] == [10, 20, 30]
     assert [loop.share for loop in profile.loops] == shares
+
+
+ROLE_SOURCE = textwrap.dedent("""\
+    extern "C" __global__ void __launch_bounds__(384, 1) k(float* x) {
+      x[0] = 1.0f;
+      if (((int)threadIdx.x) < 8) {
+        x[1] = 2.0f;
+      }
+      if (((int)threadIdx.x) < 128) {
+        for (int i = 0; i < 4; ++i) {
+          x[2] = 3.0f;
+        }
+      } else {
+        if ((((int)threadIdx.x) % 4) == 0) {
+          x[3] = 4.0f;
+        }
+        if (((int)threadIdx.x) >= 256) {
+          x[4] = 5.0f;
+        } else {
+          x[5] = 6.0f;
+        }
+      }
+      x[6] = 7.0f;
+    }
+    """)
+
+
+def test_warp_shares_follow_the_role_branches_of_generated_cuda():
+    """Lines inside `if (threadIdx.x < N)` / `>= N` branches (and their else) run on the warps holding the
+    branch's threads, out of the launch bounds' 12; other braces (a loop, a condition on something else) keep the
+    range around them; lines outside every role branch are not listed."""
+    shares = sass.warp_shares(ROLE_SOURCE)
+    lines = ROLE_SOURCE.splitlines()
+    by_text = {lines[n - 1].strip(): share for n, share in shares.items()}
+    assert by_text["x[1] = 2.0f;"] == pytest.approx(1 / 12)  # threads 0-7: one warp
+    assert by_text["x[2] = 3.0f;"] == pytest.approx(4 / 12)  # the producer warpgroup
+    assert by_text["x[3] = 4.0f;"] == pytest.approx(8 / 12)  # the consumers; % 4 is no role
+    assert by_text["x[4] = 5.0f;"] == pytest.approx(4 / 12)  # threads 256-383
+    assert by_text["x[5] = 6.0f;"] == pytest.approx(4 / 12)  # threads 128-255
+    assert not any(lines[n - 1].strip() in ("x[0] = 1.0f;", "x[6] = 7.0f;") for n in shares)
+    assert sass.warp_shares(ROLE_SOURCE.replace("__launch_bounds__(384, 1) ", "")) == {}
+
+
+SPLIT_BY_SOURCE = textwrap.dedent("""\
+    //--------------------- .text.k            --------------------------
+    k:
+            /*0000*/                   S2R R0, SR_TID.X ;
+            /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x80, PT ;
+            /*0020*/               @P0 BRA `(.L_x_2) ;
+    .L_x_0:
+    \t//## File "k.cu", line 10
+            /*0030*/                   FFMA R1, R1, R2, R3 ;
+            /*0040*/               @P1 BRA `(.L_x_0) ;
+            /*0050*/                   EXIT ;
+    .L_x_2:
+    \t//## File "k.cu", line 20
+            /*0060*/                   IADD3 R6, R6, 0x1, RZ ;
+            /*0070*/               @P1 BRA `(.L_x_2) ;
+            /*0080*/                   EXIT ;
+    .L_x_5:
+            /*0090*/                   BRA `(.L_x_5);
+    """)
+
+
+def test_instructions_count_for_the_warps_that_run_them():
+    """With per-instruction warp shares (from the source's role branches: a producer's line 10 on a third of the
+    warps, a consumer's line 20 on two thirds) each instruction counts for its share, and the control flow's equal
+    split (a half each without the shares) is not applied on top."""
+    instructions = sass.parse(SPLIT_BY_SOURCE)
+    assert [loop.share for loop in sass.count(instructions).loops] == [0.5, 0.5]
+    share = {10: 1 / 3, 20: 2 / 3}
+    profile = sass.count(instructions, lambda ins: share.get(ins.site[1], 1.0) if ins.site else 1.0)
+    assert [loop.share for loop in profile.loops] == [1.0, 1.0]
+    assert [profile.loops[0].counts["fma"], profile.loops[0].counts["other"]] == pytest.approx([1 / 3, 1 / 3])
+    assert [profile.loops[1].counts["alu"], profile.loops[1].counts["other"]] == pytest.approx([2 / 3, 2 / 3])
+    assert profile.straight["lsu"] == 1.0  # S2R before the split, no line: every warp

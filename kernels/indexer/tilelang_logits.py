@@ -71,9 +71,14 @@ __device__ __forceinline__ float fk_relu_keeping_nan(float x) {
 
 
 def relu_keeping_nan(fl: Flavour, x):
-    """max(x, 0), NaN kept (as torch.relu); kernels that use it on the GPU import RELU_KEEPING_NAN."""
+    """max(x, 0), NaN kept (as torch.relu); a kernel that uses it calls import_relu_keeping_nan first."""
     return T.call_extern("float32", "fk_relu_keeping_nan", x) if fl.on_gpu else T.if_then_else(x < 0.0, 0.0, x)
 
+
+def import_relu_keeping_nan(fl: Flavour):
+    """On the GPU, RELU_KEEPING_NAN's source into the kernel (at the top of its body)."""
+    if fl.on_gpu:
+        T.import_source(RELU_KEEPING_NAN)
 
 
 def _head_slots(heads: int) -> int:
@@ -366,8 +371,7 @@ def logits_program(problem: LogitsProblem, config: dict, fl: Flavour):
         Out: st.out_tensor((M, N)),
     ):
         with T.Kernel(T.ceildiv(N, BN * TILES), T.ceildiv(M, BM), threads=config["threads"]) as (bx, by):
-            if fl.on_gpu:
-                T.import_source(RELU_KEEPING_NAN)
+            import_relu_keeping_nan(fl)
             _, key_pos, bounds = _addressing(fl, BM, BN)
             k_tile, k_scale, q_tile, w_tile, q_scale = tm.buffers()
             k_raw = tm.key_staging(k_tile)
@@ -467,8 +471,7 @@ def paged_program(problem: PagedProblem, config: dict, fl: Flavour):
         Out: st.out_tensor((R, WIDTH)),
     ):
         with T.Kernel(T.ceildiv(WIDTH, BN * TILES), B * CHUNKS, threads=config["threads"]) as (bx, by):
-            if fl.on_gpu:
-                T.import_source(RELU_KEEPING_NAN)
+            import_relu_keeping_nan(fl)
             T.assume(NB > 0)  # (paged_args launches nothing for an empty cache)
             b, chunk = by // CHUNKS, by % CHUNKS
             m0 = b * NEXT + chunk * RW
@@ -567,8 +570,7 @@ def sparse_select_program(problem: SparseProblem, config: dict, fl: Flavour, ali
         KeptEnd: T.Tensor((M,), "int32"),
     ):
         with T.Kernel(T.ceildiv(NB * BLK, SPAN), M, threads=THREADS) as (bx, m):
-            if fl.on_gpu:
-                T.import_source(RELU_KEEPING_NAN)
+            import_relu_keeping_nan(fl)
             key_row, key_pos, bounds = _addressing(fl, 1, BN)
             span_scores = fl.shared((1, SPAN), "float32")
             chosen = fl.shared((1, KEEP), "int32")  # span slots taken, ascending
@@ -668,9 +670,11 @@ SPARSE_SPACE = Space(
 
 
 def _tiles_a_block(key_tiles: int, other_blocks: int) -> int:
-    """Key tiles a block streams (its queries loaded once for them): the most, up to 16, that still give every SM a
-    block (one wave at a block an SM), so fixed per-block costs are paid as few times as the SMs allow."""
-    return next((t for t in (16, 8, 4, 2) if -(-key_tiles // t) * other_blocks >= SMS), 1)
+    """Key tiles a block streams (its queries loaded once for them): the fewest that fit the blocks in one wave at a
+    block an SM (the registers leave room for no second), up to 16. Each wave pays the fixed per-block costs (the
+    queries, the table, the pipeline's fill) again: 8 sequences x 8K positions at 4 tiles a block (128 blocks)
+    model at 2.5 us, at 2 (256 blocks, two waves) 5.0 us."""
+    return next((t for t in (1, 2, 4, 8) if -(-key_tiles // t) * other_blocks <= SMS), 16)
 
 
 def logits_default(problem: LogitsProblem) -> dict:
