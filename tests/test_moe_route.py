@@ -20,6 +20,7 @@ import flashkern.ops
 from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
+from flashkern.kernels._tilelang import CPU as TILELANG_CPU
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem, Routing, check_routing_result
 from flashkern.kernels.moe_route.cases import NONFINITE, gate_cases, route_cases
 from flashkern.kernels.moe_route.triton_kernels import GEMM_TILE_T
@@ -259,6 +260,32 @@ def test_split_gate_in_the_gpus_default_config(routing):
         first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", config)
         second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=config)
         assert torch.equal(first[1], second[1]) and torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))
+def test_tilelang_decode_gate_in_one_launch_and_in_stages(routing):
+    """TileLang's decode gate in one launch (the GPU default for a few tokens): every CTA of a token tile forms its
+    rows' 1 / rms, its partial logits over a D split, and the tile's last CTA to count in (a ticket) sums the splits in
+    order and routes the tile's rows a warp at a time; `separate_route` (the default from 16 tokens) runs the same
+    partials through three launches. 1 token with the RMSNorm, 16 (one full tile) without, 33 (three tiles, the last
+    ragged) with, D split in both, against the oracle, and bitwise the same when run again."""
+    impl = MOE_ROUTE_GATE.implementation("tilelang")
+    for tokens, norm in ((1, True), (16, False), (33, True)):
+        problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024,
+                               has_norm=norm)
+        inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
+        checked = MOE_ROUTE_GATE.check(dict(inputs))
+        with flashkern.planning_for_gpu():
+            config = impl.default_config(checked)
+        assert config["separate_route"] == (tokens > 1), config
+        assert split_plan(problem.hidden, config["splits"], config["block_d"])[0] > 1, config
+        for separate, launches in ((False, 1), (True, 3 if norm else 2)):
+            variant = dict(config, separate_route=separate)
+            assert len(impl.kernel.programs(checked, variant, TILELANG_CPU, None)) == launches
+            first = run_and_check(MOE_ROUTE_GATE, inputs, "tilelang", variant)
+            second = MOE_ROUTE_GATE.entry(**inputs, backend="tilelang", config=variant)
+            assert torch.equal(first[1], second[1])
+            assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
 @pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))

@@ -43,6 +43,7 @@ import torch
 from flashkern.autotune.space import Space
 from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
 from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels._tilelang.sync import count_in_macro
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
     SinkhornProblem,
@@ -217,6 +218,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
     PR, DN = T.dynamic("pre_rows"), T.dynamic("norm_width")
     plane = "bfloat16" if fl.on_gpu else "float32"  # the C target multiplies the same rounded values in fp32
     sinkhorn = _sinkhorn_macro(n)
+    count_in = count_in_macro(fl)
 
     def streams(macro, *args):
         """macro(j, *args) for every stream j, unrolled here: a T.copy into a buffer of a list needs a Python index."""
@@ -328,18 +330,6 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
                 SqParts[s, t0 + r, 0] = b.sq[r]
                 if problem.collapse != "fresh":
                     SqParts[s, t0 + r, 1] = b.li_sq[r]
-
-    @T.macro
-    def arrive(Tickets, bx, ticket):
-        """ticket[0] <- how many of tile bx's splits counted in before this one (a CTA barrier, then one acq_rel
-        atomic: the split that draws SP - 1 sees every partial)."""
-        if fl.on_gpu:
-            T.sync_threads()
-            if T.get_thread_binding() == 0:
-                ticket[0] = T.atomic_add(Tickets[bx], 1, memory_order="acq_rel", return_prev=True)
-            T.sync_threads()
-        else:
-            ticket[0] = T.atomic_add(Tickets[bx], 1, return_prev=True)
 
     @T.macro
     def epilogue(Src, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb, rms_eps, pre_eps,
@@ -466,7 +456,7 @@ def _fused_program(problem: MhcProblem, config: dict, fl: Flavour, post_first: b
         if stage != "epilogue":
             split_pass(Y, Res, PostIn, CombIn, NewRes, Fn, PreIn, LayerInput, MixParts, SqParts, chunk, bx, s, b)
         if stage == "fused":
-            arrive(Tickets, bx, b.ticket)
+            count_in(Tickets, bx, b.ticket)  # the split that draws SP - 1 sees every partial
         if stage == "epilogue" or (stage == "fused" and b.ticket[0] == SP - 1):
             epilogue(NewRes if post_first else Res, MixParts, SqParts, Scale, Base, Norm, LayerInput, Pre, Post, Comb,
                      rms_eps, pre_eps, sinkhorn_eps, post_mult, iters, norm_eps, bx, b)

@@ -11,10 +11,12 @@ padded to powers of two, NP = GP * WP. Padding slots are masked. Every step is a
   4. renormalize by the sum (1 when it is 0), scale; invalid rows -> (id -1, weight 0)
 Argmax is (max, then min of the slots at the max): ties go to the lowest expert id.
 moe_route: a block routes block_t rows of fp32 logits.
-moe_route_gate, in stages: 1 / rms per token (with a norm weight; a block per row), the GEMM into fp32 partial
-logits (a block per [block_t tokens, block_e experts] tile and D split: h and W tiles copied to shared memory, h
-RMS-normalized and rounded to bf16 there as the reference does, T.gemm into a fragment over a pipelined K loop;
-16-row mma.sync tiles at decode, 64- or 128-row wgmma tiles at prefill), then moe_route over the summed partials.
+moe_route_gate: the GEMM into fp32 partial logits (a block per [block_t tokens, block_e experts] tile and D split:
+h and W tiles copied to shared memory, h RMS-normalized and rounded to bf16 there as the reference does, T.gemm into
+a fragment over a pipelined K loop; 16-row mma.sync tiles at decode, 64- or 128-row wgmma tiles at prefill), then
+moe_route over the partials summed in split order. At decode one launch: every block forms its tile's 1 / rms (the
+rows are few, and in L2), and the tile's last block to count in (a ticket) routes the tile. At prefill
+(`separate_route`) three: 1 / rms per token (a block per row), the GEMM, the routing spread over the SMs.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -23,6 +25,7 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, row_strided
+from flashkern.kernels._tilelang.sync import count_in_macro
 from flashkern.kernels.moe_route.problem import LOG1P_UNIT, slot_layout
 from flashkern.kernels.tiles import SMS, split_plan
 
@@ -200,76 +203,149 @@ def _route_macro(problem, rows: int, fl: Flavour):
     return route, real, expert, NP
 
 
+def _route_rows_macro(problem, rows: int, fl: Flavour, splits: int):
+    """route_rows(Logits, row0, n_rows, ...): steps 1-4 for rows row0 .. row0 + rows - 1 of fp32 logits [T, E], or
+    of the gate's partial logits [splits, T, E] summed in split order (splits > 0)."""
+    E = problem.routing.experts
+    route, real, expert, NP = _route_macro(problem, rows, fl)
+
+    @T.macro
+    def route_rows(Logits, row0, n_rows, Bias, Valid, Weights, Ids, scale, renormalize):
+        x = fl.fragment((rows, NP), "float32")
+        for i, n in fl.parallel(rows, NP):
+            row, column = T.min(row0 + i, n_rows - 1), T.min(expert(n), E - 1)
+            keep = (row0 + i < n_rows) & real(n)
+            if splits:
+                x[i, n] = 0.0
+                for part in T.serial(splits):
+                    x[i, n] = x[i, n] + T.if_then_else(keep, Logits[part, row, column], 0.0)
+            else:
+                x[i, n] = T.if_then_else(keep, Logits[row, column], 0.0)
+        route(x, row0, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
+
+    return route_rows
+
+
+def _route_tensors(problem, n_rows):
+    """The routing's other parameters: bias, valid, weights, ids (rows: the dynamic n_rows)."""
+    E, K = problem.routing.experts, problem.routing.top_k
+    return (T.Tensor((E if problem.has_bias else 1,), "float32"), T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
+            T.Tensor((n_rows, K), "float32"), T.Tensor((n_rows, K), "int32"))
+
+
 def route_program(problem, config, fl: Flavour, splits: int = 0):
     """Routing from fp32 logits [T, E]; with splits > 0, from the gate's partial logits [splits, T, E], summed in
     split order."""
-    E, K = problem.routing.experts, problem.routing.top_k
+    E = problem.routing.experts
     BT = config["block_t"]
     n_rows = T.dynamic("T")
-    route, real, expert, NP = _route_macro(problem, BT, fl)
+    route_rows = _route_rows_macro(problem, BT, fl, splits)
     source = T.Tensor((splits, n_rows, E), "float32") if splits else row_strided((n_rows, E), "float32", "logits")
+    bias, valid, weights, ids = _route_tensors(problem, n_rows)
 
     @T.prim_func
-    def moe_route(
-        Logits: source,
-        Bias: T.Tensor((E if problem.has_bias else 1,), "float32"),
-        Valid: T.Tensor((n_rows if problem.has_valid else 1,), "uint8"),
-        Weights: T.Tensor((n_rows, K), "float32"),
-        Ids: T.Tensor((n_rows, K), "int32"),
-        scale: T.float32,
-        renormalize: T.int32,
-    ):
+    def moe_route(Logits: source, Bias: bias, Valid: valid, Weights: weights, Ids: ids, scale: T.float32,
+                  renormalize: T.int32):
         with T.Kernel(T.ceildiv(n_rows, BT), threads=32 * BT) as bx:  # a warp per row
-            x = fl.fragment((BT, NP), "float32")
-            for i, n in fl.parallel(BT, NP):
-                row, column = T.min(bx * BT + i, n_rows - 1), T.min(expert(n), E - 1)
-                keep = (bx * BT + i < n_rows) & real(n)
-                if splits:
-                    x[i, n] = 0.0
-                    for part in T.serial(splits):
-                        x[i, n] = x[i, n] + T.if_then_else(keep, Logits[part, row, column], 0.0)
-                else:
-                    x[i, n] = T.if_then_else(keep, Logits[row, column], 0.0)
-            route(x, bx * BT, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
+            route_rows(Logits, bx * BT, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
 
     return moe_route
 
 
-def inv_rms_program(problem, config, fl: Flavour):
-    """inv_rms[t] = 1 / sqrt(mean_d h[t, d]^2 + eps), a block per row, up to 8192 columns a step (one step at
-    v41-flash's 5120: every load of the row in flight at once), the gate's first stage."""
+def _inv_rms_macro(problem, fl: Flavour):
+    """inv_rms(H, row, norm_eps, out, i): out[i] = 1 / sqrt(mean_d h[row, d]^2 + eps), the CTA's threads over up to
+    8192 columns a step (one step at v41-flash's 5120: every load of the row in flight at once)."""
     D = problem.hidden
     BD = min(RMS_BLOCK_D, 1 << (D - 1).bit_length())
-    n_rows = T.dynamic("T")
 
-    @T.prim_func
-    def inv_rms(H: row_strided((n_rows, D), fl.bf16, "hidden"), InvRms: T.Tensor((n_rows,), "float32"),
-                norm_eps: T.float32):
-        with T.Kernel(n_rows, threads=128) as row:
-            sq = fl.fragment((BD,), "float32")
-            part = fl.fragment((1,), "float32")
-            total = fl.fragment((1,), "float32")
-            total[0] = 0.0
-            for kd in T.serial(T.ceildiv(D, BD)):
-                for d in fl.parallel(BD):
-                    sq[d] = T.if_then_else(kd * BD + d < D, fl.load_bf16(H[row, T.min(kd * BD + d, D - 1)]), 0.0)
-                    sq[d] = sq[d] * sq[d]
-                T.reduce_sum(sq, part, dim=0)
-                total[0] = total[0] + part[0]
-            InvRms[row] = 1.0 / T.sqrt(total[0] / D + norm_eps)
+    @T.macro
+    def inv_rms(H, row, norm_eps, out, i):
+        sq = fl.fragment((BD,), "float32")
+        part = fl.fragment((1,), "float32")
+        total = fl.fragment((1,), "float32")
+        total[0] = 0.0
+        for kd in T.serial(T.ceildiv(D, BD)):
+            for d in fl.parallel(BD):
+                sq[d] = T.if_then_else(kd * BD + d < D, fl.load_bf16(H[row, T.min(kd * BD + d, D - 1)]), 0.0)
+                sq[d] = sq[d] * sq[d]
+            T.reduce_sum(sq, part, dim=0)
+            total[0] = total[0] + part[0]
+        out[i] = 1.0 / T.sqrt(total[0] / D + norm_eps)
 
     return inv_rms
 
 
-def gate_gemm_program(problem, config, fl: Flavour):
-    """Parts[s, t, e] = sum over split s's D columns of x[t, d] W[e, d], x = bf16(h inv_rms norm) (or h): a block
-    per [block_t tokens, block_e experts] tile and split; T.gemm into a fragment over a pipelined K loop."""
+def inv_rms_program(problem, config, fl: Flavour):
+    """The separate gate's first stage: 1 / rms of every row, a block per row."""
+    n_rows = T.dynamic("T")
+    inv_rms = _inv_rms_macro(problem, fl)
+
+    @T.prim_func
+    def inv_rms_rows(H: row_strided((n_rows, problem.hidden), fl.bf16, "hidden"),
+                     InvRms: T.Tensor((n_rows,), "float32"), norm_eps: T.float32):
+        with T.Kernel(n_rows, threads=128) as row:
+            inv_rms(H, row, norm_eps, InvRms, row)
+
+    return inv_rms_rows
+
+
+def _gate_tile_macro(problem, config, fl: Flavour, n_rows):
+    """gate_tile(H, Wg, Norm, scale, Parts, bx, by, bz): Parts[bz, t, e] = sum over split bz's D columns of
+    x[t, d] W[e, d] for the [block_t tokens, block_e experts] tile (bx, by), x = bf16(h scale norm) (or h; scale:
+    the tile's 1 / rms per row, in shared memory so the h-tile loop may use every thread). T.gemm into a fragment
+    over a pipelined K loop."""
     E, D = problem.routing.experts, problem.hidden
     BT, BE, BD = config["block_t"], config["block_e"], config["block_d"]
-    splits, chunk = split_plan(D, config["splits"], BD)
-    per_split = chunk // BD  # block_d steps a split
-    n_rows = T.dynamic("T")
+    per_split = split_plan(D, config["splits"], BD)[1] // BD  # block_d steps a split
     operand = "bfloat16" if fl.on_gpu else "float32"  # T.gemm operands: bf16 on GPU, decoded fp32 on CPU
+
+    @T.macro
+    def gate_tile(H, Wg, Norm, scale, Parts, bx, by, bz):
+        h_tile = fl.shared((BT, BD), operand)
+        w_tile = fl.shared((BE, BD), operand)
+        acc = fl.fragment((BT, BE), "float32")
+        if fl.on_gpu and problem.has_norm:  # h and the norm weight as copied, normalized into h_tile
+            h_raw = T.alloc_shared((BT, BD), fl.bf16)
+            norm = T.alloc_shared((BD,), fl.bf16)
+        T.clear(acc)
+        for step in T.Pipelined(T.min(per_split, T.ceildiv(D, BD) - bz * per_split), num_stages=config["num_stages"]):
+            d0 = (bz * per_split + step) * BD
+            if fl.on_gpu:  # the tiles copied (cp.async / TMA, out-of-range rows and columns zero), then normed
+                T.copy(Wg[by * BE, d0], w_tile)
+                if problem.has_norm:
+                    T.copy(H[bx * BT, d0], h_raw)
+                    T.copy(Norm[d0], norm)
+                    for i, d in T.Parallel(BT, BD):  # RMS-normalized and rounded to bf16, as the reference does
+                        h_tile[i, d] = T.Cast(operand, T.Cast("float32", h_raw[i, d]) * scale[i]
+                                              * T.Cast("float32", norm[d]))
+                else:
+                    T.copy(H[bx * BT, d0], h_tile)
+            else:
+                for i, d in T.grid(BT, BD):
+                    value = fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(d0 + d, D - 1)])
+                    if problem.has_norm:
+                        value = fl.round_bf16(value * scale[i] * fl.load_bf16(Norm[T.min(d0 + d, D - 1)]))
+                    h_tile[i, d] = T.if_then_else((bx * BT + i < n_rows) & (d0 + d < D), value, 0.0)
+                for e, d in T.grid(BE, BD):
+                    w_tile[e, d] = T.if_then_else((by * BE + e < E) & (d0 + d < D),
+                                                  fl.load_bf16(Wg[T.min(by * BE + e, E - 1), T.min(d0 + d, D - 1)]),
+                                                  0.0)
+            T.gemm(h_tile, w_tile, acc, transpose_B=True)
+        for i, e in fl.parallel(BT, BE):
+            if (bx * BT + i < n_rows) & (by * BE + e < E):
+                Parts[bz, bx * BT + i, by * BE + e] = acc[i, e]
+
+    return gate_tile
+
+
+def gate_gemm_program(problem, config, fl: Flavour):
+    """The separate gate's GEMM stage: a block per [block_t tokens, block_e experts] tile and split (gate_tile),
+    1 / rms from the first stage."""
+    E, D = problem.routing.experts, problem.hidden
+    BT, BE = config["block_t"], config["block_e"]
+    splits = split_plan(D, config["splits"], config["block_d"])[0]
+    n_rows = T.dynamic("T")
+    gate_tile = _gate_tile_macro(problem, config, fl, n_rows)
 
     @T.prim_func
     def gate_gemm(
@@ -280,50 +356,65 @@ def gate_gemm_program(problem, config, fl: Flavour):
         Parts: T.Tensor((splits, n_rows, E), "float32"),
     ):
         with T.Kernel(T.ceildiv(n_rows, BT), T.ceildiv(E, BE), splits, threads=config["threads"]) as (bx, by, bz):
-            h_tile = fl.shared((BT, BD), operand)
-            w_tile = fl.shared((BE, BD), operand)
-            acc = fl.fragment((BT, BE), "float32")
-            if fl.on_gpu and problem.has_norm:  # h and the norm weight as copied, normalized into h_tile
-                h_raw = T.alloc_shared((BT, BD), fl.bf16)
-                norm = T.alloc_shared((BD,), fl.bf16)
-            scale = fl.shared((BT,), "float32")  # shared, so the h-tile loop may use every thread
+            scale = fl.shared((BT,), "float32")
             if problem.has_norm:
                 for i in fl.parallel(BT):
                     scale[i] = InvRms[T.min(bx * BT + i, n_rows - 1)]
-            T.clear(acc)
-            for step in T.Pipelined(T.min(per_split, T.ceildiv(D, BD) - bz * per_split),
-                                    num_stages=config["num_stages"]):
-                d0 = (bz * per_split + step) * BD
-                if fl.on_gpu:  # the tiles copied (cp.async / TMA, out-of-range rows and columns zero), then normed
-                    T.copy(Wg[by * BE, d0], w_tile)
-                    if problem.has_norm:
-                        T.copy(H[bx * BT, d0], h_raw)
-                        T.copy(Norm[d0], norm)
-                        for i, d in T.Parallel(BT, BD):  # RMS-normalized and rounded to bf16, as the reference does
-                            h_tile[i, d] = T.Cast(operand, T.Cast("float32", h_raw[i, d]) * scale[i]
-                                                  * T.Cast("float32", norm[d]))
-                    else:
-                        T.copy(H[bx * BT, d0], h_tile)
-                else:
-                    for i, d in T.grid(BT, BD):
-                        value = fl.load_bf16(H[T.min(bx * BT + i, n_rows - 1), T.min(d0 + d, D - 1)])
-                        if problem.has_norm:
-                            value = fl.round_bf16(value * scale[i] * fl.load_bf16(Norm[T.min(d0 + d, D - 1)]))
-                        h_tile[i, d] = T.if_then_else((bx * BT + i < n_rows) & (d0 + d < D), value, 0.0)
-                    for e, d in T.grid(BE, BD):
-                        w_tile[e, d] = T.if_then_else((by * BE + e < E) & (d0 + d < D),
-                                                      fl.load_bf16(Wg[T.min(by * BE + e, E - 1), T.min(d0 + d, D - 1)]),
-                                                      0.0)
-                T.gemm(h_tile, w_tile, acc, transpose_B=True)
-            for i, e in fl.parallel(BT, BE):
-                if (bx * BT + i < n_rows) & (by * BE + e < E):
-                    Parts[bz, bx * BT + i, by * BE + e] = acc[i, e]
+            gate_tile(H, Wg, Norm, scale, Parts, bx, by, bz)
 
     return gate_gemm
 
 
+def gate_fused_program(problem, config, fl: Flavour):
+    """The decode gate in one launch: CTA (tile, e, s) forms 1 / rms of the tile's rows (with a norm: the rows are
+    a few at decode, read from L2 by every CTA of the tile), then its partial logits (gate_tile); the tile's last CTA
+    to count in (a ticket) sums the splits in order and routes the tile's rows, a warp each."""
+    E, D = problem.routing.experts, problem.hidden
+    BT, BE = config["block_t"], config["block_e"]
+    splits = split_plan(D, config["splits"], config["block_d"])[0]
+    group = -(-E // BE) * splits  # the CTAs of a token tile
+    warps = config["threads"] // 32
+    n_rows = T.dynamic("T")
+    gate_tile = _gate_tile_macro(problem, config, fl, n_rows)
+    inv_rms = _inv_rms_macro(problem, fl)
+    route_rows = _route_rows_macro(problem, warps, fl, splits)
+    count_in = count_in_macro(fl)
+    bias, valid, weights, ids = _route_tensors(problem, n_rows)
+
+    @T.prim_func
+    def gate_fused(
+        H: row_strided((n_rows, D), fl.bf16, "hidden"),
+        Wg: T.Tensor((E, D), fl.bf16),
+        Norm: T.Tensor((D if problem.has_norm else 1,), fl.bf16),
+        Parts: T.Tensor((splits, n_rows, E), "float32"),
+        Tickets: T.Tensor((T.ceildiv(n_rows, BT),), "int32"),
+        Bias: bias, Valid: valid, Weights: weights, Ids: ids,
+        norm_eps: T.float32,
+        scale: T.float32,
+        renormalize: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(n_rows, BT), T.ceildiv(E, BE), splits, threads=config["threads"]) as (bx, by, bz):
+            row_scale = fl.shared((BT,), "float32")
+            ticket = fl.shared((1,), "int32")
+            if problem.has_norm:
+                for i in fl.parallel(BT):  # rows past the last: their h is zero, and so their scale
+                    row_scale[i] = 0.0
+                for r in T.serial(T.min(BT, n_rows - bx * BT)):
+                    inv_rms(H, bx * BT + r, norm_eps, row_scale, r)
+            gate_tile(H, Wg, Norm, row_scale, Parts, bx, by, bz)
+            count_in(Tickets, bx, ticket)
+            if ticket[0] == group - 1:
+                for p in T.serial(T.ceildiv(T.min(BT, n_rows - bx * BT), warps)):
+                    route_rows(Parts, bx * BT + p * warps, n_rows, Bias, Valid, Weights, Ids, scale, renormalize)
+
+    return gate_fused
+
+
 def route_gate_program(problem, config, fl: Flavour):
-    """The gate in stages: 1 / rms per token (with a norm), the GEMM into fp32 partial logits, their routing."""
+    """One launch (gate_fused_program), or in stages (separate_route): 1 / rms per token (with a norm), the GEMM
+    into fp32 partial logits, their routing spread over the SMs."""
+    if not config["separate_route"]:
+        return gate_fused_program(problem, config, fl)
     splits = split_plan(problem.hidden, config["splits"], config["block_d"])[0]
     route = route_program(problem, {"block_t": config["route_rows"]}, fl, splits=splits)
     gemm = gate_gemm_program(problem, config, fl)
@@ -355,18 +446,23 @@ def route_args(problem, inputs: dict, config: dict, fl, out):
 
 
 def route_gate_args(problem, inputs: dict, config: dict, fl, out):
-    """The stages' arguments: (1 / rms,) GEMM, routing; the partial logits and the row scales are scratch."""
+    """One launch's arguments, or the stages' ((1 / rms,) GEMM, routing); the partial logits, the row scales and
+    the tickets (zero before each call, and per call: calls on several streams never share them) are scratch."""
     if problem.tokens == 0:
         return None
     hidden = inputs["hidden"]
     device = hidden.device
     splits = split_plan(problem.hidden, config["splits"], config["block_d"])[0]
     parts = torch.empty((splits, problem.tokens, problem.routing.experts), dtype=torch.float32, device=device)
-    inv_rms = torch.empty(problem.tokens if problem.has_norm else 1, dtype=torch.float32, device=device)
     norm = inputs["norm_weight"] if problem.has_norm else torch.ones(1, dtype=torch.bfloat16, device=device)
-    gemm = [fl.bf16_arg(fl.tma_arg(hidden)), fl.bf16_arg(fl.tma_arg(inputs["gate_weight"])), fl.bf16_arg(norm),
-            inv_rms, parts]
-    route = [parts, *_bias_valid_args(problem, inputs, device), *out, *_rule_args(problem)]
+    operands = [fl.bf16_arg(fl.tma_arg(hidden)), fl.bf16_arg(fl.tma_arg(inputs["gate_weight"])), fl.bf16_arg(norm)]
+    routing = [*_bias_valid_args(problem, inputs, device), *out]
+    if not config["separate_route"]:
+        tickets = torch.zeros(-(-problem.tokens // config["block_t"]), dtype=torch.int32, device=device)
+        return [*operands, parts, tickets, *routing, float(problem.norm_eps), *_rule_args(problem)]
+    inv_rms = torch.empty(problem.tokens if problem.has_norm else 1, dtype=torch.float32, device=device)
+    gemm = [*operands, inv_rms, parts]
+    route = [parts, *routing, *_rule_args(problem)]
     if problem.has_norm:
         return [fl.bf16_arg(hidden), inv_rms, float(problem.norm_eps)], gemm, route
     return gemm, route
@@ -388,9 +484,11 @@ def _gate_shared_bytes(config) -> int:
 
 GATE_SPACE = Space(
     params={"block_t": (16, 32, 64, 128), "block_e": (32, 64, 128), "block_d": (32, 64, 128),
-            "splits": (1, 2, 4, 8, 16, 32), "route_rows": (1, 2, 4), "threads": (128, 256), "num_stages": (1, 2, 3)},
+            "splits": (1, 2, 4, 8, 16, 32), "route_rows": (1, 2, 4), "threads": (128, 256), "num_stages": (1, 2, 3),
+            "separate_route": (False, True)},
     gpu_only=("threads", "num_stages"),
     limits={
+        "route_rows only for a separate routing launch": lambda p, c: c["separate_route"] or c["route_rows"] == 1,
         "block_t x block_e / threads <= 128 (registers: the accumulator)":
             lambda p, c: c["block_t"] * c["block_e"] <= 128 * c["threads"],
         "bf16 tiles x stages <= 200 KiB (shared memory)": lambda p, c: _gate_shared_bytes(c) <= 200 * 1024,
@@ -398,13 +496,16 @@ GATE_SPACE = Space(
 )
 
 DECODE_TOKENS = 64  # up to here the GEMM's M side is a 16-row mma.sync tile and D splits over about every SM
+ONE_LAUNCH_TOKENS = 4  # up to here the decode gate is one launch: its rows' 1 / rms and routing in one pass of 4 warps
 
 
 def gate_default(problem) -> dict:
     """Decode (up to DECODE_TOKENS): 16-row tiles (mma.sync), 64-expert blocks, D split until about SMS blocks
     (rounded up: W's stream wants every SM), two stages. Prefill: 64-row tiles (a warpgroup's wgmma; 128 rows on 8
-    warps from 1024 tokens), 128-expert blocks, three stages, D split while the blocks fit one wave. The routing
-    stage takes route_rows rows a block (moe_route's default for the tokens)."""
+    warps from 1024 tokens), 128-expert blocks, three stages, D split while the blocks fit one wave. One launch up to
+    ONE_LAUNCH_TOKENS (model, T = 1: 6.5 us and one launch against 5.5 us and three); beyond, the rows' 1 / rms one
+    after another and a routing pass per 4 rows, each a round trip, cost more than two launches (T = 16: 14.0 us
+    against 5.5), and the routing stage takes route_rows rows a block (moe_route's default for the tokens)."""
     experts = problem.routing.experts
     if problem.tokens <= DECODE_TOKENS:
         block_t, block_e, threads, stages = 16, 64, 128, 2
@@ -414,5 +515,7 @@ def gate_default(problem) -> dict:
     blocks = -(-max(problem.tokens, 1) // block_t) * -(-experts // block_e)
     wanted = -(-SMS // blocks) if problem.tokens <= DECODE_TOKENS else max(1, SMS // blocks)
     splits = max(v for v in GATE_SPACE.params["splits"] if v <= wanted)
+    separate = problem.tokens > ONE_LAUNCH_TOKENS
     return {"block_t": block_t, "block_e": block_e, "block_d": 64, "splits": splits, "threads": threads,
-            "num_stages": stages, "route_rows": 4 if problem.tokens >= 512 else 1}
+            "num_stages": stages, "route_rows": 4 if problem.tokens >= 512 and separate else 1,
+            "separate_route": separate}
