@@ -363,7 +363,7 @@ MOE_ROUTE_GATE = Operator(
         Implementation("triton", TritonKernel(tr_kernels.plan_route_gate), tr_kernels.GATE_SPACE,
                        tr_kernels.gate_default),
         Implementation("tilelang", TileLangKernel(tl_kernels.route_gate_program, tl_kernels.route_gate_args,
-                                      gpu_pass_configs=tl_kernels.GATE_PASS_CONFIGS),
+                                      gpu_pass_configs=tl_kernels.GATE_PASS_CONFIGS, layout=tl_kernels.gate_layout),
                        tl_kernels.GATE_SPACE, tl_kernels.gate_default),
     ),
     check=check_route_gate,

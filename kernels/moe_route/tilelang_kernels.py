@@ -289,11 +289,12 @@ def inv_rms_program(problem, config, fl: Flavour):
     return inv_rms_rows
 
 
-def _gate_tile_macro(problem, config, fl: Flavour, n_rows):
+def _gate_tile_macro(problem, config, fl: Flavour, n_rows, aligned: bool):
     """gate_tile(H, Wg, Norm, scale, Parts, bx, by, bz): Parts[bz, t, e] = sum over split bz's D columns of
     x[t, d] W[e, d] for the [block_t tokens, block_e experts] tile (bx, by), x = bf16(h scale norm) (or h; scale:
     the tile's 1 / rms per row, in shared memory so the h-tile loop may use every thread). T.gemm into a fragment
-    over a pipelined K loop."""
+    over a pipelined K loop. `aligned` (gate_layout: h's rows start on 16-byte boundaries) lets the h tile's copy
+    be a cp.async that zero-fills the rows past the last, where it is otherwise loads the loop waits on."""
     E, D = problem.routing.experts, problem.hidden
     BT, BE, BD = config["block_t"], config["block_e"], config["block_d"]
     per_split = split_plan(D, config["splits"], BD)[1] // BD  # block_d steps a split
@@ -301,6 +302,8 @@ def _gate_tile_macro(problem, config, fl: Flavour, n_rows):
 
     @T.macro
     def gate_tile(H, Wg, Norm, scale, Parts, bx, by, bz):
+        if fl.on_gpu and aligned:
+            T.assume(H.strides[0] % 8 == 0)
         h_tile = fl.shared((BT, BD), operand)
         w_tile = fl.shared((BE, BD), operand)
         acc = fl.fragment((BT, BE), "float32")
@@ -338,14 +341,14 @@ def _gate_tile_macro(problem, config, fl: Flavour, n_rows):
     return gate_tile
 
 
-def gate_gemm_program(problem, config, fl: Flavour):
+def gate_gemm_program(problem, config, fl: Flavour, aligned: bool):
     """The separate gate's GEMM stage: a block per [block_t tokens, block_e experts] tile and split (gate_tile),
     1 / rms from the first stage."""
     E, D = problem.routing.experts, problem.hidden
     BT, BE = config["block_t"], config["block_e"]
     splits = split_plan(D, config["splits"], config["block_d"])[0]
     n_rows = T.dynamic("T")
-    gate_tile = _gate_tile_macro(problem, config, fl, n_rows)
+    gate_tile = _gate_tile_macro(problem, config, fl, n_rows, aligned)
 
     @T.prim_func
     def gate_gemm(
@@ -365,7 +368,7 @@ def gate_gemm_program(problem, config, fl: Flavour):
     return gate_gemm
 
 
-def gate_fused_program(problem, config, fl: Flavour):
+def gate_fused_program(problem, config, fl: Flavour, aligned: bool):
     """The decode gate in one launch: CTA (tile, e, s) forms 1 / rms of the tile's rows (with a norm: the rows are
     a few at decode, read from L2 by every CTA of the tile), then its partial logits (gate_tile); the tile's last CTA
     to count in (a ticket) sums the splits in order and routes the tile's rows, a warp each."""
@@ -375,7 +378,7 @@ def gate_fused_program(problem, config, fl: Flavour):
     group = -(-E // BE) * splits  # the CTAs of a token tile
     warps = config["threads"] // 32
     n_rows = T.dynamic("T")
-    gate_tile = _gate_tile_macro(problem, config, fl, n_rows)
+    gate_tile = _gate_tile_macro(problem, config, fl, n_rows, aligned)
     inv_rms = _inv_rms_macro(problem, fl)
     route_rows = _route_rows_macro(problem, warps, fl, splits)
     count_in = count_in_macro(fl)
@@ -410,14 +413,14 @@ def gate_fused_program(problem, config, fl: Flavour):
     return gate_fused
 
 
-def route_gate_program(problem, config, fl: Flavour):
+def route_gate_program(problem, config, fl: Flavour, aligned: bool):
     """One launch (gate_fused_program), or in stages (separate_route): 1 / rms per token (with a norm), the GEMM
     into fp32 partial logits, their routing spread over the SMs."""
     if not config["separate_route"]:
-        return gate_fused_program(problem, config, fl)
+        return gate_fused_program(problem, config, fl, aligned)
     splits = split_plan(problem.hidden, config["splits"], config["block_d"])[0]
     route = route_program(problem, {"block_t": config["route_rows"]}, fl, splits=splits)
-    gemm = gate_gemm_program(problem, config, fl)
+    gemm = gate_gemm_program(problem, config, fl, aligned)
     return (inv_rms_program(problem, config, fl), gemm, route) if problem.has_norm else (gemm, route)
 
 
@@ -443,6 +446,13 @@ def route_args(problem, inputs: dict, config: dict, fl, out):
         return None
     logits = inputs["logits"]
     return [logits, *_bias_valid_args(problem, inputs, logits.device), *out, *_rule_args(problem)]
+
+
+def gate_layout(inputs: dict) -> bool:
+    """Whether h's rows start on 16-byte boundaries (its data pointer and row stride: metadata), so that the GEMM may
+    copy them in 16-byte pieces."""
+    hidden = inputs["hidden"]
+    return hidden.data_ptr() % 16 == 0 and hidden.stride(0) % 8 == 0
 
 
 def route_gate_args(problem, inputs: dict, config: dict, fl, out):
