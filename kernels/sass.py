@@ -269,10 +269,11 @@ def count(instructions: list[Instruction], warp_share=None) -> Profile:
     passing the header (so code ptxas lays out of line, a barrier's retry path, stays in its own loop). Code
     that cannot be reached from the entry (the self-branch after EXIT) is not counted.
     Warp-specialized roles: `warp_share(instruction)` (from the source's role branches, `warp_shares`) gives the
-    share of a CTA's warps that run each instruction, which it counts for. Without it, or where the source has no
-    role branch, roles come from the control flow: sibling loops neither of which reaches the other lie on
-    exclusive paths (a producer's loop, a consumer's), and a loop gets an equal share of the warps with the most
-    loops it is exclusive with that are exclusive with one another (loops before or after the roles, which
+    share of a CTA's warps that run each instruction, which it counts for in the pipes (events, the barriers and
+    global phases of the latency term, count whole: a role's round trips are the CTA's). Without it, or where the
+    source has no role branch, roles come from the control flow: sibling loops neither of which reaches the other
+    lie on exclusive paths (a producer's loop, a consumer's), and a loop gets an equal share of the warps with the
+    most loops it is exclusive with that are exclusive with one another (loops before or after the roles, which
     every path reaches, keep them all)."""
     empty = dict.fromkeys((*PIPES, *EVENTS), 0)
     if not instructions:

@@ -673,7 +673,7 @@ def _tiles_a_block(key_tiles: int, other_blocks: int) -> int:
     """Key tiles a block streams (its queries loaded once for them): the fewest that fit the blocks in one wave at a
     block an SM (the registers leave room for no second), up to 16. Each wave pays the fixed per-block costs (the
     queries, the table, the pipeline's fill) again: 8 sequences x 8K positions at 4 tiles a block (128 blocks)
-    model at 2.5 us, at 2 (256 blocks, two waves) 5.0 us."""
+    model at 3.5 us, at 2 (256 blocks, two waves) 6.0 us."""
     return next((t for t in (1, 2, 4, 8) if -(-key_tiles // t) * other_blocks <= SMS), 16)
 
 
