@@ -541,6 +541,7 @@ def no_unroll(ptx: str) -> str:
 
 
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\s*(\d+)")
+_ELSE = re.compile(r"^\s*\}\s*else\s*\{\s*$")
 _THREAD_BRANCH = re.compile(r"^\s*if\s*\(\(\(int\)threadIdx\.x\)\s*(?P<op><|>=)\s*(?P<bound>\d+)\)\s*\{\s*$")
 
 
@@ -569,7 +570,7 @@ def warp_shares(source: str) -> dict:
             stack.append((current, other))
             current = taken
             continue
-        if re.match(r"^\s*\}\s*else\s*\{\s*$", line) and stack and stack[-1][1] is not None:
+        if _ELSE.match(line) and stack and stack[-1][1] is not None:
             outer, other = stack.pop()
             stack.append((outer, None))
             current = other
