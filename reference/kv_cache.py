@@ -35,6 +35,12 @@ The selected keys of token t are kv_cache[indices[t, i]] and swa_cache[swa_indic
 -1 (padding) and are in range (out-of-range entries are padding, an error in checked mode); a slot listed twice
 counts twice. A token with no selected key gives out 0 and lse = sink[h] (-inf without a sink). Scores and
 softmax in fp32 on the dequantized values; scale defaults to 512^-0.5.
+
+The window by position (in place of swa_indices): token t at position p = positions[t] of sequence s = seq_ids[t]
+sees the window-cache keys j with p - window < j <= p and j >= max(0, swa_lower[s]) (the bounded replay's lower
+bound; none: 0), found through the window cache's block table: key j is at slot swa_block_table[s, j // block_size]
+* block_size + j % block_size; a table entry -1, j // block_size past the table's width, or s outside its rows
+give no key (window_slots).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from flashkern.reference.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, UE8M0_NAN
                                          e4m3_decode, e4m3_encode, ue8m0_ceil, ue8m0_decode)
 
 LATENT = 512  # values per record
+WINDOW = 128  # keys of the sliding window (positions p - 127 .. p)
 
 
 class Format(NamedTuple):
@@ -146,12 +153,33 @@ def gather_keys(cache: torch.Tensor, indices: torch.Tensor, format: str) -> tupl
     return torch.where(selected[..., None], keys, 0.0), selected
 
 
+def window_slots(positions: torch.Tensor, seq_ids: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                 window: int = WINDOW, lower: torch.Tensor | None = None) -> torch.Tensor:
+    """The window cache's slots [T, window] int64 each query token sees (module docstring): entry i of token t is
+    key j = positions[t] - window + 1 + i, -1 where it is not seen or has no page."""
+    sequences, width = block_table.shape
+    seq = seq_ids.long()
+    known = (seq >= 0) & (seq < sequences)
+    row = seq.clamp(0, max(sequences - 1, 0))
+    low = torch.zeros_like(seq) if lower is None else lower.long()[row].clamp(min=0)
+    key = positions.long()[:, None] - window + 1 + torch.arange(window, device=positions.device)[None, :]
+    seen = known[:, None] & (key >= low[:, None]) & (key < width * block_size)
+    page = block_table.long()[row[:, None], torch.where(seen, key, 0) // block_size] if width else key
+    slot = page * block_size + key % block_size
+    return torch.where(seen & (page >= 0), slot, -1)
+
+
 # ---------------------------------------------------------------- attention
 
 
 def sparse_decode_attention(q, kv_cache, indices, swa_cache=None, swa_indices=None, sink=None, scale=None,
-                            kv_format="fp4", swa_format="mxfp8") -> AttentionOutputs:
-    """Sparse MQA attention of q [T, H, 512] over the selected latent rows of both caches (module docstring)."""
+                            kv_format="fp4", swa_format="mxfp8", swa_block_table=None, positions=None, seq_ids=None,
+                            window=None, swa_lower=None) -> AttentionOutputs:
+    """Sparse MQA attention of q [T, H, 512] over the selected latent rows of both caches (module docstring); the
+    window by swa_indices, or by position (swa_block_table, positions, seq_ids, window = WINDOW, swa_lower)."""
+    if swa_block_table is not None:
+        swa_indices = window_slots(positions, seq_ids, swa_block_table, swa_cache.shape[1],
+                                   WINDOW if window is None else window, swa_lower)
     keys, selected = gather_keys(kv_cache, indices, kv_format)
     if swa_cache is not None:
         window, in_window = gather_keys(swa_cache, swa_indices, swa_format)

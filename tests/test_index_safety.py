@@ -23,6 +23,7 @@ from _device import DEVICE, on_device
 from flashkern import checks, registry
 from flashkern.kernels.indexer import CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem, TopkProblem
 from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
+from flashkern.reference import kv_cache as ref
 from test_layouts import layout
 
 BACKENDS = ("reference", "triton", "tilelang")
@@ -169,6 +170,26 @@ def attention_case(data):
     return {**inputs, **drawn}, {**inputs, **fixed}, None
 
 
+def window_case(data):
+    """The window by position with drawn sequence ids, positions, block-table entries and lower bounds (any int32);
+    its in-range equivalent: the same keys as an index list (reference.window_slots, out-of-cache slots padding)."""
+    op = registry.get("sparse_decode_attention")
+    problem = AttentionProblem(3, 9, 4, 4, swa=True, sink=True, window_by_position=True)
+    inputs = op.make_inputs(problem, "cpu", data.draw(st.integers(0, 99), label="seed"))
+    cache, table = fenced(inputs["swa_cache"]), inputs["swa_block_table"]
+    pages, block_size = cache.shape[:2]
+    drawn = dict(swa_cache=cache, seq_ids=index_tensor(data, (3,), 0, table.shape[0] - 1, "seq_ids"),
+                 positions=index_tensor(data, (3,), 0, table.shape[1] * block_size - 1, "positions"),
+                 swa_block_table=index_tensor(data, tuple(table.shape), -1, pages - 1, "swa_block_table"),
+                 swa_lower=data.draw(st.none() | st.builds(lambda *v: torch.tensor(v, dtype=torch.int32),
+                                                           *[int32s(0, 40)] * table.shape[0]), label="swa_lower"))
+    slots = ref.window_slots(drawn["positions"], drawn["seq_ids"], drawn["swa_block_table"], block_size,
+                             problem.window, drawn["swa_lower"])
+    fixed = dict(swa_cache=cache, swa_indices=_slots_or_padding(slots, pages * block_size).int(),
+                 **dict.fromkeys(("swa_block_table", "positions", "seq_ids", "window", "swa_lower")))
+    return {**inputs, **drawn}, {**inputs, **fixed}, None
+
+
 def insert_case(data):
     """Distinct valid slots (a repeated one is the caller's error) among -1 and out-of-range values."""
     op = registry.get("kv_cache_insert")
@@ -186,7 +207,7 @@ def insert_case(data):
 
 CASES = {"mqa_logits": mqa_case, "sparse_mqa_logits": sparse_case, "paged_mqa_logits": paged_case,
          "topk_indices": topk_case, "candidate_blocks": candidate_case, "sparse_decode_attention": attention_case,
-         "kv_cache_insert": insert_case}
+         "sparse_decode_attention window": window_case, "kv_cache_insert": insert_case}
 EXACT = ("topk_indices", "candidate_blocks")  # exact values: every backend follows the reference's tie rule
 # index-addressed tensors: cut from garbage-filled buffers (0 in int tables: valid ids, wrong rows)
 GUARDED = ("k", "k_scale", "k_cache", "logits", "block_table")
@@ -209,7 +230,7 @@ def _guarded(inputs: dict) -> dict:
 @fraction_of_examples(1 / 2)
 @given(data=st.data())
 def test_out_of_range_indices_are_padding(name, backend, data):
-    op = registry.get(name)
+    op = registry.get(name.split()[0])
     drawn, in_range, fixup = CASES[name](data)
     op.check_values(in_range, op.check(dict(in_range)))  # the equivalent is in range
     expected = op.reference(**in_range) if fixup is None else fixup(op.reference(**in_range))
@@ -236,6 +257,7 @@ def _bad(inputs: dict, name: str, at: tuple, value: int) -> dict:
 def _bad_index_arguments():
     """(operator, problem, argument, index, bad value): each one out of range by the checks' rules."""
     paged = PagedProblem(2, 3, 2, 16)  # width 48, 9 cache blocks; sequence 0 sees all 3 of its table entries
+    by_position = AttentionProblem(2, 5, 3, 4, swa=True, window_by_position=True)
     return [
         ("mqa_logits", LogitsProblem(3, 40), "ks", (1,), -1),
         ("mqa_logits", LogitsProblem(3, 40), "ke", (1,), 41),
@@ -255,6 +277,10 @@ def _bad_index_arguments():
         ("sparse_mqa_logits", SparseProblem(3, 40, 4, 8, 8), "ke", (0,), INT32_MAX),
         ("sparse_decode_attention", AttentionProblem(2, 5, 3, 4, swa=True), "indices", (1, 4), 2048),  # 2048 slots
         ("sparse_decode_attention", AttentionProblem(2, 5, 3, 4, swa=True), "swa_indices", (0, 2), -2),
+        ("sparse_decode_attention", by_position, "seq_ids", (1,), 2),  # two sequences
+        ("sparse_decode_attention", by_position, "positions", (0,), -1),
+        ("sparse_decode_attention", by_position, "positions", (1,), 1 << 20),  # past the table's pages
+        ("sparse_decode_attention", by_position, "swa_block_table", (0, 3), INT32_MAX),
         ("kv_cache_insert", CodecProblem(5), "slots", (3,), INT32_MIN),
     ]
 

@@ -288,6 +288,11 @@ def test_attention_presets_and_empty_sizes(problem, backend):
     run_and_check(ATTENTION, ATTENTION.make_inputs(problem, DEVICE, 1), backend)
 
 
+def _column(inputs):
+    """An int32 [T] tensor (contiguous) for the window by position's arguments."""
+    return inputs["indices"][:, 0].contiguous()
+
+
 def _attention_inputs():
     return ATTENTION.make_inputs(AttentionProblem(2, 9, 3, 4, swa=True, sink=True), DEVICE, 0)
 
@@ -300,7 +305,20 @@ def _attention_inputs():
     (lambda i: {"kv_cache": i["swa_cache"]}, ValueError, r"^kv_cache must have shape \[\*, \*, 288\]"),
     (lambda i: {"indices": i["indices"].long()}, TypeError, "^indices must be int32"),
     (lambda i: {"indices": i["indices"][:1]}, ValueError, r"^indices must have shape \[2, \*\]"),
-    (lambda i: {"swa_indices": None}, ValueError, "^swa_cache and swa_indices go together"),
+    (lambda i: {"swa_indices": None}, ValueError, r"^swa_cache needs swa_indices or swa_block_table"),
+    (lambda i: {"swa_cache": None}, ValueError, "^swa_indices needs swa_cache"),
+    (lambda i: {"swa_block_table": i["indices"]}, ValueError, "^pass swa_indices or swa_block_table"),
+    (lambda i: {"positions": _column(i)}, ValueError, "^positions belongs to the window by position"),
+    (lambda i: {"window": 4}, ValueError, "^window belongs to the window by position"),
+    (lambda i: {"swa_indices": None, "swa_block_table": i["indices"]}, ValueError,
+     "^the window by position .swa_block_table. needs positions"),
+    (lambda i: {"swa_indices": None, "swa_block_table": i["indices"], "positions": _column(i),
+                "seq_ids": _column(i).long()}, TypeError, "^seq_ids must be int32"),
+    (lambda i: {"swa_indices": None, "swa_block_table": i["indices"], "positions": _column(i),
+                "seq_ids": _column(i), "window": 0}, ValueError, r"^window=0 must be in \[1, 65536\]"),
+    (lambda i: {"swa_indices": None, "swa_block_table": i["indices"], "positions": _column(i),
+                "seq_ids": _column(i), "swa_lower": i["indices"][0]}, ValueError,
+     r"^swa_lower must have shape \[2\]"),
     (lambda i: {"sink": i["sink"][:2]}, ValueError, r"^sink must have shape \[4\]"),
     (lambda i: {"scale": -1.0}, ValueError, "^scale must be positive"),
     (lambda i: {"kv_cache": i["kv_cache"].transpose(0, 1)}, ValueError, "^kv_cache must hold its records packed"),

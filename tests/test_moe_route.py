@@ -288,25 +288,24 @@ def test_tilelang_decode_gate_in_one_launch_and_in_stages(routing):
             assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
-@pytest.mark.parametrize("routing", (V41_FLASH, V3), ids=("v41", "v3"))
-def test_prefill_gate_in_the_gpus_default_config(routing):
+@pytest.mark.parametrize("routing, tokens, norm", ((V41_FLASH, 65, True), (V3, 200, False)), ids=("v41", "v3"))
+def test_prefill_gate_in_the_gpus_default_config(routing, tokens, norm):
     """The GPU's default at prefill runs the Triton gate as three launches (1 / rms per token, a GEMM into fp32 partial
     logits split over D and expert blocks, the routing of their summed partials), where the interpreter's default
-    keeps one: 65 tokens with the RMSNorm, 200 without; the default (64-row tiles, D split at 65 tokens) and its
-    128-row tiles (from 1024 tokens) unsplit, against the oracle and bitwise the same when run again."""
+    keeps one: 65 tokens with the RMSNorm (V4.1 routing), 200 without (V3's); the default (64-row tiles, D split at 65
+    tokens) and its 128-row tiles (from 1024 tokens) unsplit, against the oracle and bitwise the same when run
+    again."""
     impl = MOE_ROUTE_GATE.implementation("triton")
-    for tokens, norm in ((65, True), (200, False)):
-        problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024,
-                               has_norm=norm)
-        inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
-        with flashkern.planning_for_gpu():
-            config = impl.default_config(MOE_ROUTE_GATE.check(dict(inputs)))
-        assert config["separate_route"] and config["block_t"] == GEMM_TILE_T // 2, config
-        for variant in (config, dict(config, block_t=GEMM_TILE_T, num_warps=8, splits=1)):
-            first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", variant)
-            second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=variant)
-            assert torch.equal(first[1], second[1])
-            assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
+    problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024, has_norm=norm)
+    inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)
+    with flashkern.planning_for_gpu():
+        config = impl.default_config(MOE_ROUTE_GATE.check(dict(inputs)))
+    assert config["separate_route"] and config["block_t"] == GEMM_TILE_T // 2, config
+    for variant in (config, dict(config, block_t=GEMM_TILE_T, num_warps=8, splits=1)):
+        first = run_and_check(MOE_ROUTE_GATE, inputs, "triton", variant)
+        second = MOE_ROUTE_GATE.entry(**inputs, backend="triton", config=variant)
+        assert torch.equal(first[1], second[1])
+        assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
 # ---------------------------------------------------------------- the oracle catches wrong answers

@@ -22,8 +22,8 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.kv_cache import tilelang_attention, tilelang_records, triton_attention, triton_records
 from flashkern.kernels.kv_cache.cases import attention_cases, codec_cases
-from flashkern.kernels.kv_cache.problem import (AttentionProblem, CodecProblem, empty_attention, empty_latent,
-                                                empty_records, paged)
+from flashkern.kernels.kv_cache.problem import (CACHE_BLOCK, AttentionProblem, CodecProblem, empty_attention,
+                                                empty_latent, empty_records, paged, window_table)
 from flashkern.reference import kv_cache as ref
 from flashkern.reference.kv_cache import FORMATS, LATENT, AttentionOutputs
 from flashkern.registry import Cost, Implementation, Operator
@@ -32,6 +32,9 @@ __all__ = ["AttentionProblem", "CodecProblem", "OPERATORS", "compare_attention"]
 
 FORMAT_NAMES = tuple(FORMATS)
 MAX_HEADS = 128
+MAX_WINDOW = 1 << 16  # keys of a window by position (the model's: 128)
+WINDOW_BY_POSITION = ("swa_block_table", "positions", "seq_ids", "window", "swa_lower")
+DECODE_TOKENS = 64  # make_attention_inputs: up to this many tokens are a decode batch (a sequence each)
 
 # ---------------------------------------------------------------- argument checks
 
@@ -94,28 +97,57 @@ def check_attention(inputs: dict) -> AttentionProblem:
     check_cache("kv_cache", inputs["kv_cache"], kv_fmt, q.device)
     indices = checks.tensor("indices", inputs["indices"], dtype=torch.int32, shape=(tokens, None), device=q.device,
                             strided=True)
-    swa_cache, swa_indices = inputs["swa_cache"], inputs["swa_indices"]
-    if (swa_cache is None) != (swa_indices is None):
-        raise ValueError("swa_cache and swa_indices go together: pass both or neither")
+    swa_cache, by_position = inputs["swa_cache"], inputs.get("swa_block_table") is not None
+    if by_position and inputs["swa_indices"] is not None:
+        raise ValueError("pass swa_indices or swa_block_table (the window by position), not both")
+    if swa_cache is None and (inputs["swa_indices"] is not None or by_position):
+        raise ValueError(f"{'swa_block_table' if by_position else 'swa_indices'} needs swa_cache")
+    if swa_cache is not None and not (by_position or inputs["swa_indices"] is not None):
+        raise ValueError("swa_cache needs swa_indices or swa_block_table (the window by position)")
+    if not by_position:
+        for name in WINDOW_BY_POSITION[1:]:
+            if inputs.get(name) is not None:
+                raise ValueError(f"{name} belongs to the window by position: pass swa_block_table too")
     window = 0
     if swa_cache is not None:
         check_cache("swa_cache", swa_cache, swa_fmt, q.device)
-        window = checks.tensor("swa_indices", swa_indices, dtype=torch.int32, shape=(tokens, None), device=q.device,
-                               strided=True).shape[1]
+    if by_position:
+        table = checks.tensor("swa_block_table", inputs["swa_block_table"], dtype=torch.int32, shape=(None, None),
+                              device=q.device, strided=True)
+        for name in ("positions", "seq_ids"):
+            if inputs.get(name) is None:
+                raise ValueError(f"the window by position (swa_block_table) needs {name}")
+            checks.tensor(name, inputs[name], dtype=torch.int32, shape=(tokens,), device=q.device)
+        checks.optional_tensor("swa_lower", inputs.get("swa_lower"), dtype=torch.int32, shape=(table.shape[0],),
+                               device=q.device)
+        window = ref.WINDOW if inputs.get("window") is None else checks.integer("window", inputs.get("window"), low=1,
+                                                                             high=MAX_WINDOW)
+    elif swa_cache is not None:
+        window = checks.tensor("swa_indices", inputs["swa_indices"], dtype=torch.int32, shape=(tokens, None),
+                               device=q.device, strided=True).shape[1]
     checks.optional_tensor("sink", inputs["sink"], dtype=torch.float32, shape=(heads,), device=q.device)
     if inputs["scale"] is not None:
         checks.real("scale", inputs["scale"], positive=True)
     return AttentionProblem(tokens, indices.shape[1], window, heads, kv_fmt.name, swa_fmt.name,
-                            swa=swa_cache is not None, sink=inputs["sink"] is not None)
+                            swa=swa_cache is not None, sink=inputs["sink"] is not None,
+                            window_by_position=by_position)
 
 
 def check_attention_values(inputs: dict, problem: AttentionProblem) -> None:
-    """Index entries in [0, slots of their cache) or -1."""
+    """Index entries in [0, slots of their cache) or -1; by position: sequence ids rows of the block table,
+    positions inside its pages, its entries pages of the window cache or -1."""
     for cache_name, index_name in (("kv_cache", "indices"), ("swa_cache", "swa_indices")):
-        if inputs[cache_name] is not None:
+        if inputs[cache_name] is not None and inputs[index_name] is not None:
             rows = inputs[cache_name].shape[0] * inputs[cache_name].shape[1]
             checks.values_in(index_name, inputs[index_name], 0, rows - 1, why=f"{cache_name} holds {rows} slots",
                              allow=-1)
+    if problem.window_by_position:
+        table, (pages, block_size) = inputs["swa_block_table"], inputs["swa_cache"].shape[:2]
+        checks.values_in("seq_ids", inputs["seq_ids"], 0, table.shape[0] - 1,
+                         why=f"swa_block_table has {table.shape[0]} rows")
+        checks.values_in("positions", inputs["positions"], 0, table.shape[1] * block_size - 1,
+                         why=f"swa_block_table holds {table.shape[1]} pages of {block_size} a sequence")
+        checks.values_in("swa_block_table", table, 0, pages - 1, why=f"swa_cache has {pages} pages", allow=-1)
 
 
 # ---------------------------------------------------------------- outputs
@@ -170,8 +202,10 @@ def make_attention_inputs(problem: AttentionProblem, device="cpu", seed: int = 0
         memory_format=torch.contiguous_format)  # row stride topk at T = 1 too, as an engine's buffers have it
     inputs = dict(q=torch.randn(t, h, LATENT, generator=gen).to(torch.bfloat16), kv_cache=kv_cache, indices=indices,
                   swa_cache=None, swa_indices=None, sink=None, scale=None, kv_format=problem.kv_format,
-                  swa_format=problem.swa_format)
-    if problem.swa:
+                  swa_format=problem.swa_format, **dict.fromkeys(WINDOW_BY_POSITION))
+    if problem.window_by_position:
+        inputs.update(_window_by_position(problem, gen))
+    elif problem.swa:
         w = problem.window
         inputs["swa_cache"] = paged(ref.quantize_kv(_latent(t + w, gen), problem.swa_format))
         positions = torch.arange(t)[:, None] - w + 1 + torch.arange(w)[None, :]  # token i sees i - w + 1 .. i
@@ -179,6 +213,27 @@ def make_attention_inputs(problem: AttentionProblem, device="cpu", seed: int = 0
     if problem.sink:
         inputs["sink"] = torch.randn(h, generator=gen)
     return _to(inputs, device)
+
+
+def _window_by_position(problem: AttentionProblem, gen: torch.Generator) -> dict:
+    """Decode (T <= 64): a sequence a token, at positions 1000 + 37 s; prefill: one sequence, the chunk's T
+    consecutive positions from 1000. The window cache holds each sequence's pages of its last window + T positions,
+    in shuffled order."""
+    decode = problem.tokens <= DECODE_TOKENS
+    positions = 1000 + (37 * torch.arange(problem.tokens) if decode else torch.arange(problem.tokens))
+    seq_ids = torch.arange(problem.tokens) if decode else torch.zeros(problem.tokens, dtype=torch.int64)
+    first, last = (positions.tolist(),) * 2 if decode else ([1000], [1000 + problem.tokens - 1])
+    table, pages = window_table(gen, [p - problem.window + 1 for p in first], last, CACHE_BLOCK)
+    return dict(swa_cache=paged(ref.quantize_kv(_latent(pages * CACHE_BLOCK, gen), problem.swa_format)),
+                swa_block_table=table, positions=positions.int(), seq_ids=seq_ids.int(), window=problem.window)
+
+
+def window_indices(inputs: dict) -> Tensor | None:
+    """The window's slots as an index list [T, W] (the window by position resolved), or None without a window."""
+    if inputs.get("swa_block_table") is None:
+        return inputs["swa_indices"]
+    return ref.window_slots(inputs["positions"], inputs["seq_ids"], inputs["swa_block_table"],
+                            inputs["swa_cache"].shape[1], inputs.get("window") or ref.WINDOW, inputs.get("swa_lower"))
 
 
 # ---------------------------------------------------------------- comparisons
@@ -212,7 +267,7 @@ def _error_scales(inputs: dict) -> tuple[Tensor, Tensor]:
     scale * sum_d |q_d k_jd| (what a reordered fp32 dot product's rounding scales with) [T, H]."""
     keys, selected = ref.gather_keys(inputs["kv_cache"], inputs["indices"], inputs["kv_format"])
     if inputs["swa_cache"] is not None:
-        window, in_window = ref.gather_keys(inputs["swa_cache"], inputs["swa_indices"], inputs["swa_format"])
+        window, in_window = ref.gather_keys(inputs["swa_cache"], window_indices(inputs), inputs["swa_format"])
         keys, selected = torch.cat((keys, window), dim=1), torch.cat((selected, in_window), dim=1)
     scale = LATENT**-0.5 if inputs["scale"] is None else inputs["scale"]
     q = inputs["q"].float().cpu()
@@ -294,10 +349,13 @@ def _codec_presets(smoke=(1, 37)) -> dict:
             "v41-flash": tuple(CodecProblem(n, f) for n in CODEC_ROWS for f in FORMAT_NAMES)}
 
 
-ATTENTION_PRESETS = {
-    "smoke": (AttentionProblem(1, 64, 16, 16, swa=True, sink=True), AttentionProblem(3, 37, 0, 8)),
+ATTENTION_PRESETS = {  # the window by slots, then by position (decode T = 1, 64; prefill chunks of 2048, 8192)
+    "smoke": (AttentionProblem(1, 64, 16, 16, swa=True, sink=True), AttentionProblem(3, 37, 0, 8),
+              AttentionProblem(5, 16, 16, 16, swa=True, sink=True, window_by_position=True)),
     "v41-flash": tuple(AttentionProblem(t, V41_TOPK, V41_WINDOW, V41_HEADS, swa=True, sink=True)
-                       for t in (1, 8, 64, 4096)),
+                       for t in (1, 8, 64, 4096))
+    + tuple(AttentionProblem(t, V41_TOPK, V41_WINDOW, V41_HEADS, swa=True, sink=True, window_by_position=True)
+            for t in (1, 64, 2048, 8192)),
 }
 
 
@@ -347,20 +405,28 @@ def kv_cache_insert(cache: Tensor, slots: Tensor, latent: Tensor, format: str = 
 
 
 def sparse_decode_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, *, swa_cache: Tensor | None = None,
-                            swa_indices: Tensor | None = None, sink: Tensor | None = None, scale: float | None = None,
+                            swa_indices: Tensor | None = None, swa_block_table: Tensor | None = None,
+                            positions: Tensor | None = None, seq_ids: Tensor | None = None, window: int | None = None,
+                            swa_lower: Tensor | None = None, sink: Tensor | None = None, scale: float | None = None,
                             kv_format: str = "fp4", swa_format: str = "mxfp8", backend: str = "auto",
                             config: dict | None = None, out: AttentionOutputs | None = None) -> AttentionOutputs:
     """Sparse MQA attention over the latent (K = V) from two paged record caches (docs/operators.md section 8.3).
 
-    s_j = scale * q[t, h] . kv_j over the selected rows j of token t (indices[t] in kv_cache, swa_indices[t] in
-    swa_cache; -1 and out-of-range entries are padding, out-of-range an error in checked mode);
+    s_j = scale * q[t, h] . kv_j over the selected rows j of token t (indices[t] in kv_cache, swa_indices[t] or the
+    window by position in swa_cache; -1 and out-of-range entries are padding, out-of-range an error in checked mode);
     d = sum_j exp(s_j) + exp(sink[h]); out = bf16(sum_j exp(s_j) / d * kv_j); lse = log d. No selected key:
     out 0, lse = sink[h] (-inf without a sink).
 
     Args:
         q: [T, H, 512] bf16 (H <= 128; strided tokens and heads allowed). kv_cache: [blocks, block_size, bytes]
             uint8 in kv_format. indices: [T, topk] int32 slots (rows may be strided).
-        swa_cache, swa_indices: the window cache in swa_format and [T, W] int32 slots, or both None.
+        swa_cache: the window cache in swa_format, or None; its keys by slot, swa_indices [T, W] int32, or by
+            position (docs/operators.md section 8.4): swa_block_table [S, pages] int32 (the window cache's pages of
+            each sequence, -1 none; rows may be strided), positions [T] int32 (each token's position in its
+            sequence), seq_ids [T] int32 (its row of the table), window (default 128: keys p - window < j <= p),
+            swa_lower [S] int32 or None (per sequence, the lowest position the window reads: a bounded replay's
+            bound, flashkern.replay). Entries past the table or -1 give no key; ids and positions outside the table
+            are errors in checked mode.
         sink: [H] fp32 or None. scale: default 512^-0.5. kv_format, swa_format: "fp4" or "mxfp8".
     Returns:
         AttentionOutputs(out [T, H, 512] bf16, lse [T, H] fp32).

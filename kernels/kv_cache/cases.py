@@ -10,8 +10,10 @@ the entry point; tensors come from a drawn seed, so failures shrink to small sha
   attention_cases() sparse_decode_attention: tokens, heads, top-k and window sizes off every tile, both formats
                     in either cache, sink and scale or not (narrow runs, kernels/cases.py: heads, formats, window
                     and sink as the presets have them), index patterns (INDEX_MODES: random, all padding,
-                    duplicates, the same slot in both caches, mostly padding), peaked or extreme scores; every slot
-                    no token selects holds a record that decodes to NaN, so a read of an unused slot shows.
+                    duplicates, the same slot in both caches, mostly padding), peaked or extreme scores, the
+                    window by slots or by position (sequences of odd lengths, shuffled odd-sized pages, missing
+                    pages, replay bounds); every slot no token selects holds a record that decodes to NaN, so a
+                    read of an unused slot shows.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hypothesis import note
 from hypothesis import strategies as st
 
 from flashkern.kernels.cases import preset_pool, seeded, specialization
-from flashkern.kernels.kv_cache.problem import paged
+from flashkern.kernels.kv_cache.problem import paged, window_table
 from flashkern.reference import kv_cache as ref
 from flashkern.reference.formats import E2M1_GRID
 from flashkern.reference.kv_cache import FORMATS, LATENT
@@ -134,15 +136,46 @@ def _poison_unused(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return rows.view(cache.shape)
 
 
+def _window_by_position(draw, gen: torch.Generator, tokens: int, window: int | None, fmt: str) -> dict:
+    """The window by position: 1-3 sequences of drawn lengths (some shorter than the window), each token at a
+    random position of a random sequence, the window cache's pages shuffled (odd page sizes: windows cross pages),
+    some table entries -1 if drawn, per-sequence lower bounds inside, below or above the windows if drawn; every
+    slot no window reaches decodes to NaN."""
+    keys = ref.WINDOW if window is None else window
+    block_size = draw(st.sampled_from([1, 3, 16, 64]), label="window block_size")
+    lengths = [draw(st.integers(1, 2 * keys + 40), label="sequence length") for _ in
+               range(draw(st.integers(1, 3), label="sequences"))]
+    seq_ids = torch.randint(0, len(lengths), (tokens,), generator=gen)
+    positions = (torch.rand(tokens, generator=gen) * torch.tensor(lengths)[seq_ids]).long()
+    table, pages = window_table(gen, [0] * len(lengths), [n - 1 for n in lengths], block_size, spare=2)
+    if draw(st.booleans(), label="missing pages"):
+        table[torch.rand(table.shape, generator=gen) < 0.2] = -1
+    lower = None
+    if draw(st.booleans(), label="lower bounds"):
+        lower = torch.tensor([draw(st.integers(-3, n + 2), label="lower") for n in lengths], dtype=torch.int32)
+    cache = paged(ref.quantize_kv(latent_values(gen, pages * block_size, fmt, "normal"), fmt), block_size)
+    inputs = dict(swa_block_table=table, positions=positions.int(), seq_ids=seq_ids.int(), window=window,
+                  swa_lower=lower)
+    slots = ref.window_slots(inputs["positions"], inputs["seq_ids"], table, block_size, keys, lower)
+    note(f"window by position: lengths {lengths}, block {block_size}, seq_ids {seq_ids.tolist()}, positions "
+         f"{positions.tolist()}, lower {None if lower is None else lower.tolist()}")
+    return {**inputs, "swa_cache": _poison_unused(cache, slots)}
+
+
 @st.composite
 def attention_cases(draw) -> dict:
-    heads, kv_format, swa_format, swa, sink = specialization(
+    heads, kv_format, swa_format, swa, sink, by_position = specialization(
         draw, st.tuples(st.sampled_from([1, 3, 8, 16, 64]), st.sampled_from(tuple(FORMATS)),
-                        st.sampled_from(tuple(FORMATS)), st.booleans(), st.booleans()),
-        preset_pool("sparse_decode_attention", lambda p: (p.heads, p.kv_format, p.swa_format, p.swa, p.sink)))
+                        st.sampled_from(tuple(FORMATS)), st.booleans(), st.booleans(), st.booleans()),
+        preset_pool("sparse_decode_attention",
+                    lambda p: (p.heads, p.kv_format, p.swa_format, p.swa, p.sink, p.window_by_position)))
     tokens = draw(st.sampled_from([1, 1, 2] + ([] if heads == 64 else [3, 5])), label="tokens")  # 64 heads: CPU time
     topk = draw(st.sampled_from([1, 7, 16, 37, 64, 80]), label="topk")
-    window = draw(st.sampled_from([0, 1, 5, 16, 23]), label="window") if swa else None
+    by_position &= swa
+    if by_position:
+        window = draw(st.sampled_from([1, 5, 16, 23, None]), label="window")  # None: the default, 128
+    else:
+        window = draw(st.sampled_from([0, 1, 5, 16, 23]), label="window") if swa else None
     mode = draw(st.sampled_from(INDEX_MODES), label="indices")
     values = draw(st.sampled_from(["normal", "peaked", "extreme"]), label="values")
     block_size = draw(st.sampled_from([1, 16, 64]), label="block_size")
@@ -154,10 +187,13 @@ def attention_cases(draw) -> dict:
     indices = _indices(gen, tokens, topk, kv_slots, mode)
     q = torch.randn(tokens, heads, LATENT, generator=gen) * (30.0 if values == "peaked" else 1.0)
     inputs = dict(q=q.to(torch.bfloat16), kv_cache=_poison_unused(kv_cache, indices), indices=indices,
-                  swa_cache=None, swa_indices=None, kv_format=kv_format, swa_format=swa_format,
+                  swa_cache=None, swa_indices=None, swa_block_table=None, positions=None, seq_ids=None, window=None,
+                  swa_lower=None, kv_format=kv_format, swa_format=swa_format,
                   sink=torch.randn(heads, generator=gen) * 2 if sink else None,
                   scale=draw(st.sampled_from([None, 0.01, 0.125]), label="scale"))
-    if window is not None:
+    if by_position:
+        inputs.update(_window_by_position(draw, gen, tokens, window, swa_format))
+    elif window is not None:
         swa_slots = max(kv_slots if mode == "same_slot" else window + tokens, 1)
         swa_latent = latent_values(gen, swa_slots, swa_format, "normal")
         swa_indices = indices[:, :window].clone() if mode == "same_slot" and window <= topk else \

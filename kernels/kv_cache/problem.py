@@ -36,7 +36,8 @@ class CodecProblem(SizedProblem):
 class AttentionProblem(SizedProblem):
     """sparse_decode_attention: `tokens` query tokens of `heads` heads, each attending to `topk` slots of the
     main cache and `window` slots of the window cache (window = 0 and swa False without one); sink: per-head
-    sink logits given."""
+    sink logits given; window_by_position: the window's keys come from its block table and the tokens' positions
+    (else from an index list)."""
 
     tokens: int
     topk: int
@@ -46,6 +47,7 @@ class AttentionProblem(SizedProblem):
     swa_format: str = "mxfp8"
     swa: bool = False
     sink: bool = False
+    window_by_position: bool = False
     SIZES: ClassVar = ("tokens", "topk", "window")
 
     @property
@@ -74,6 +76,20 @@ def paged(records: torch.Tensor, block_size: int = CACHE_BLOCK, fill: int = 0) -
     cache = torch.full((blocks * block_size, records.shape[1]), fill, dtype=torch.uint8, device=records.device)
     cache[: records.shape[0]] = records
     return cache.view(blocks, block_size, records.shape[1])
+
+
+def window_table(gen: torch.Generator, first: list[int], last: list[int], block_size: int,
+                 spare: int = 0) -> tuple[torch.Tensor, int]:
+    """A window cache's block table [S, ceil((max(last) + 1) / block_size)] int32 whose sequence s has pages for its
+    positions max(first[s], 0) .. last[s] (earlier pages -1), the page ids shuffled over pages + spare; and the
+    number of pages the cache needs."""
+    width = max(last) // block_size + 1
+    table = torch.full((len(last), width), -1, dtype=torch.int32)
+    needed = [(s, p) for s in range(len(last)) for p in range(max(first[s], 0) // block_size, last[s] // block_size + 1)]
+    ids = torch.randperm(len(needed) + spare, generator=gen)[: len(needed)]
+    for (s, p), page in zip(needed, ids.tolist()):
+        table[s, p] = page
+    return table, len(needed) + spare
 
 
 @dataclass(frozen=True)

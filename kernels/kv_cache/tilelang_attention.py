@@ -4,13 +4,13 @@
     d = sum_j exp(s_j) + exp(sink[h]);  out = bf16(sum_j exp(s_j) / d * kv_j);  lse = log d
 
 grid (T, ceil(H / block_h), splits); tile: block_h heads (the MMA's M side; K = V) x block_n keys x 512 columns.
-  1. q_tile [block_h, 512] once; per key block (key_splits: top-k blocks, then the window's) the slots' records
-     gathered to shared memory (codes, then scales) and decoded once into k_tile bf16, two codes per bf16x2
-     (bits placed, two exact multiplies: rebias, scale), 16-byte stores;
+  1. q_tile [block_h, 512] once; per key block (key_splits: top-k blocks, then the window's, by index row or by
+     position) the records gathered to shared memory (codes, then scales) and decoded once into k_tile bf16, two
+     codes per bf16x2 (bits placed, two exact multiplies: rebias, scale), 16-byte stores;
   2. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift 0 where m is not finite), p rounded to bf16,
      acc = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
   3. out and lse (the sink joins), or fp32 partials for `combine_program`, staged in shared memory, 16-byte stores.
-H200: issue-bound (the decode, the QK k-steps, the rescale); T = 4096 near the tensor term (616 us, 56% of the
+H200: issue-bound (the decode, the QK k-steps, the rescale); T = 4096 near the tensor term (584 us, 59% of the
 bf16 peak). The key loop is not pipelined (TileLang 0.1.15 pipelines cp.async gathers only over static trip
 counts). CPU: the tiles are local fp32 buffers of the same bf16 values; docs/operators.md section 8.3.
 """
@@ -27,6 +27,7 @@ from flashkern.kernels.tiles import SMS
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
 NEG_INF = -T.infinity("float32")
+WINDOW_BY_POSITION_ARGS = ("swa_block_table", "positions", "seq_ids", "swa_lower")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
 COMBINE_COLUMNS = 128  # a combine block's columns; its heads: the config's combine_heads (combine_heads_for)
@@ -82,6 +83,11 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
     KB, KBS, KPS = T.dynamic("kv_blocks"), T.dynamic("kv_block_size"), T.dynamic("kv_page_stride")
     SB, SBS, SPS = T.dynamic("swa_blocks"), T.dynamic("swa_block_size"), T.dynamic("swa_page_stride")
     SP, PT = T.dynamic("splits"), T.dynamic("partial_tokens")
+    # the window by position: block table [sequences, width], positions and sequence ids of the T tokens, lower
+    # bounds per sequence (sizes of their own: without them the arguments are one-element placeholders)
+    NS, NP, NQ, NL = (T.dynamic(name) for name in ("sequences", "table_width", "position_count", "lower_count"))
+    NW = T.dynamic("swa_index_rows")  # T, or 0 for the window by position
+    window_by_position = problem.window_by_position
     kv_key_blocks = T.ceildiv(TOPK, BN)  # then ceil(W / BN) window blocks
     key_blocks = kv_key_blocks + T.ceildiv(W, BN)
 
@@ -119,13 +125,37 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         fill_rows(q_tile, BH, 0, LATENT, BF16_PER_16_BYTES, Q.strides[:2], lambda h, d: T.if_then_else(
             h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
 
-    @T.macro
-    def load_keys(Cache, Indices, fmt, t, first, page, row, rec, k_tile):
-        """The key block of entries first .. first + BN - 1 of Indices[t]: page and row of each slot (page -1:
-        none), the records gathered, dequantized once into k_tile (zero rows for none)."""
-        for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
+    def listed(Indices, t, first):
+        """locate(Cache, n, page, row): where entry first + n of the index row Indices[t] is (page -1: none)."""
+        @T.macro
+        def locate(Cache, n, page, row):
             locate_slot(Cache, T.if_then_else(first + n < Indices.shape[1],
                                               Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
+        return locate
+
+    def by_position(Table, Positions, SeqIds, Lower, has_lower, t, first, key):
+        """locate(Cache, n, page, row) for window entry e = first + n of token t (reference.window_slots): key
+        position j = Positions[t] - W + 1 + e of sequence SeqIds[t], seen where e < W, j >= max(Lower[seq], 0) and
+        its page's table entry is a page of Cache (row[n] holds the clamped sequence id meanwhile, key[n] j); every
+        table read is clamped into the table."""
+        @T.macro
+        def locate(Cache, n, page, row):
+            row[n] = T.min(T.max(SeqIds[t], 0), Table.shape[0] - 1)
+            key[n] = Positions[t] - W + 1 + first + n
+            page[n] = T.if_then_else(
+                (SeqIds[t] == row[n]) & (first + n < W) & (key[n] >= 0)
+                & (key[n] >= T.if_then_else(has_lower != 0, Lower[row[n]], 0)) & (key[n] // Cache.shape[1] < Table.shape[1]),
+                Table[row[n], T.min(T.max(key[n], 0) // Cache.shape[1], Table.shape[1] - 1)], -1)
+            page[n] = T.if_then_else((page[n] >= 0) & (page[n] < Cache.shape[0]), page[n], -1)
+            row[n] = T.if_then_else(page[n] >= 0, key[n] % Cache.shape[1], 0)
+        return locate
+
+    @T.macro
+    def load_keys(Cache, locate, fmt, page, row, rec, k_tile):
+        """A key block: page and row of each of its BN entries (`locate`; page -1: none), the records gathered,
+        dequantized once into k_tile (zero rows for none)."""
+        for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
+            locate(Cache, n, page, row)
         for c0, width in ((0, fmt.code_bytes), (fmt.code_bytes, fmt.bytes - fmt.code_bytes)):  # codes, then scales
             fill_rows(rec, BN, c0, width, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
                 page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
@@ -168,7 +198,11 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         KV: _cache_tensor(kv_fmt, KB, KBS, KPS),
         Indices: row_strided((NT, TOPK), "int32", "indices"),
         Swa: _cache_tensor(swa_fmt, SB, SBS, SPS),
-        SwaIndices: row_strided((NT, W), "int32", "swa_indices"),
+        SwaIndices: row_strided((NW, W), "int32", "swa_indices"),  # by position: [0, window], W its width
+        SwaTable: row_strided((NS, NP), "int32", "swa_block_table"),
+        Positions: T.Tensor((NQ,), "int32"),
+        SeqIds: T.Tensor((NQ,), "int32"),
+        Lower: T.Tensor((NL,), "int32"),
         Sink: T.Tensor((H,), "float32"),
         Out: T.Tensor((NT, H, LATENT), fl.bf16),
         Lse: T.Tensor((NT, H), "float32"),
@@ -177,6 +211,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         scale: T.float32,
         blocks_per_split: T.int32,
         has_sink: T.int32,
+        has_lower: T.int32,
     ):
         with T.Kernel(NT, T.ceildiv(H, BH), SP, threads=config["threads"]) as (t, head_group, split):
             q_tile = fl.shared((BH, LATENT), operand)
@@ -186,6 +221,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             o_partial = fl.shared((BH, LATENT), "float32")  # after the keys: shares the tiles' shared memory
             page = fl.shared((BN,), "int32")
             row = fl.shared((BN,), "int32")
+            key = fl.shared((BN,), "int32")  # the window by position's key positions
             acc = fl.fragment((BH, LATENT), "float32")
             s = fl.fragment((BH, BN), "float32")
             m = fl.fragment((BH,), "float32")
@@ -205,11 +241,16 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                 l[h] = 0.0
             # the split's key blocks [first, first + blocks_per_split): those of the main cache, then the window's
             for i in T.serial(T.max(T.min(first + blocks_per_split, kv_key_blocks) - first, 0)):
-                load_keys(KV, Indices, kv_fmt, t, (first + i) * BN, page, row, rec, k_tile)
+                load_keys(KV, listed(Indices, t, (first + i) * BN), kv_fmt, page, row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
             for i in T.serial(T.max(T.min(first + blocks_per_split, key_blocks) - T.max(first, kv_key_blocks), 0)):
-                load_keys(Swa, SwaIndices, swa_fmt, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, page,
-                          row, rec, k_tile)
+                if window_by_position:
+                    load_keys(Swa, by_position(SwaTable, Positions, SeqIds, Lower, has_lower, t,
+                                               (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, key),
+                              swa_fmt, page, row, rec, k_tile)
+                else:
+                    load_keys(Swa, listed(SwaIndices, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN),
+                              swa_fmt, page, row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
 
             if SP == 1:  # out = acc f / d, lse = shift + log d (block_max: the shift; alpha: f / d)
@@ -319,10 +360,18 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     plan = key_splits(problem, config["block_h"], config["block_n"], config["max_splits"])
     H, tokens, device = problem.heads, problem.tokens, inputs["q"].device
     if problem.swa:
-        swa, swa_indices = cache_arg(inputs["swa_cache"]), inputs["swa_indices"]
+        swa = cache_arg(inputs["swa_cache"])
     else:  # window 0: no key block reads it
         swa = torch.empty((1, 1, FORMATS[problem.swa_format].bytes), dtype=torch.uint8, device=device)
-        swa_indices = torch.empty((tokens, 0), dtype=torch.int32, device=device)
+    swa_indices = inputs["swa_indices"]
+    if swa_indices is None:  # its width is the window's (0 without one); no rows: never read
+        swa_indices = torch.empty((0, problem.window), dtype=torch.int32, device=device)
+    none = torch.zeros((1, 1), dtype=torch.int32, device=device)  # an int32 argument the kernel never reads
+    table, positions, seq_ids, lower = (inputs.get(name) for name in WINDOW_BY_POSITION_ARGS)
+    if not problem.window_by_position:
+        table, positions, seq_ids = none, none[0], none[0]
+    has_lower = int(lower is not None)
+    lower = lower if has_lower else none[0]
     sink = inputs["sink"] if problem.sink else torch.empty(H, dtype=torch.float32, device=device)
     scale = LATENT**-0.5 if inputs["scale"] is None else float(inputs["scale"])
     partial_tokens = tokens if plan.splits > 1 else 1
@@ -330,8 +379,8 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     partial_ml = torch.empty((plan.splits, partial_tokens, H, 2), dtype=torch.float32, device=device)
     out_bf16 = fl.bf16_arg(out.out)
     q, kv = inputs["q"], cache_arg(inputs["kv_cache"])
-    attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, sink, out_bf16, out.lse, partial_o, partial_ml,
-              scale, plan.blocks_per_split, int(problem.sink)]
+    attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, table, positions, seq_ids, lower, sink,
+              out_bf16, out.lse, partial_o, partial_ml, scale, plan.blocks_per_split, int(problem.sink), has_lower]
     if plan.splits == 1:
         return attend, None
     return attend, [partial_o, partial_ml, sink, out_bf16, out.lse, int(problem.sink)]

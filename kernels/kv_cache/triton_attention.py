@@ -6,8 +6,9 @@
 grid: (tokens x head groups, splits); block: 8 warps; tile: BLOCK_H heads (up to 64, all of a token: wgmma's M
 side, so each record is decoded once per token) x BLOCK_N keys x 512 columns in BLOCK_D-wide blocks. Per key block
 (problem.key_splits: the top-k's blocks, then the window's; one cache and format per block):
-  1. BLOCK_N slots -> record addresses; per column block the codes and scale words are gathered (cp.async) and
-     decoded exactly (triton_records.decode_records) into bf16, and S += q_c kv_c^T on tensor cores;
+  1. BLOCK_N slots (an index row, or the window's by position) -> record addresses; per column block the codes
+     and scale words are gathered (cp.async), decoded exactly (triton_records.decode_records) into bf16, and
+     S += q_c kv_c^T on tensor cores;
   2. online softmax in fp32 (p rounded to the nearest bf16), acc_c = acc_c alpha + p kv_c (K = V).
 One split finishes in place (the sink joins, `_weight`); several store fp32 partials that `combine_kernel` merges.
 H200 (v41-flash): per token 84 MFLOP (tensor 85 ns) and 211 KB of records (44 ns of HBM); the model has the
@@ -34,15 +35,35 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, cache_ptr, page_stride, block_size, cache_slots, index_ptr, width, first, scale,
-                  FORMAT: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The online-softmax step (m, l, acc) -> (m, l, acc) over key entries first .. first + BLOCK_N - 1 of one
-    token's index row at index_ptr (entries past `width` are padding, as -1 and slots outside the cache).
-    q and acc are tuples of the column blocks of the q tile and the accumulator, [BLOCK_H, BLOCK_D] each; the key
-    block is decoded a column block at a time, each used by both products."""
-    BLOCK_D: tl.constexpr = q[0].shape[1]
+def _listed_slots(index_ptr, width, first, BLOCK_N: tl.constexpr):
+    """Entries first .. first + BLOCK_N - 1 of a token's index row at index_ptr (-1 past `width`)."""
     j = first + tl.arange(0, BLOCK_N)
-    slot = tl.load(index_ptr + j, mask=j < width, other=-1)
+    return tl.load(index_ptr + j, mask=j < width, other=-1)
+
+
+@triton.jit
+def _window_slots(table_row_ptr, table_width, block_size, cache_slots, low, position, window, first,
+                  BLOCK_N: tl.constexpr):
+    """Window entries first .. first + BLOCK_N - 1 of a token at `position` whose sequence's pages start at
+    table_row_ptr (reference.window_slots): entry i is key j = position - window + 1 + i, a slot where i < window,
+    j >= low (>= 0) and the table has a page of the cache there, else -1 (no other table entry is read)."""
+    i = first + tl.arange(0, BLOCK_N)
+    key = position - window + 1 + i
+    page_index = key // block_size
+    kept = (i < window) & (key >= low) & (page_index < table_width)
+    page = tl.load(table_row_ptr + page_index, mask=kept, other=-1)
+    return tl.where((page >= 0) & (page < cache_slots // block_size), page * block_size + key % block_size, -1)
+
+
+@triton.jit
+def _attend_block(q, m, l, acc, cache_ptr, page_stride, block_size, cache_slots, slot, scale,
+                  FORMAT: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The online-softmax step (m, l, acc) -> (m, l, acc) over a key block of cache slots `slot` [BLOCK_N] (-1 and
+    slots outside the cache are padding). q and acc are tuples of the column blocks of the q tile and the
+    accumulator, [BLOCK_H, BLOCK_D] each; the key block is decoded a column block at a time, each used by both
+    products."""
+    BLOCK_D: tl.constexpr = q[0].shape[1]
+    BLOCK_N: tl.constexpr = slot.shape[0]
     selected = (slot >= 0) & (slot < cache_slots)
     row = slot_offset(tl.where(selected, slot, 0), block_size, page_stride, FORMAT)
     s = tl.zeros((q[0].shape[0], BLOCK_N), tl.float32)
@@ -99,22 +120,25 @@ def _store_out(out_ptr, row, row_ok, column, acc, weight, d, INTERPRETED: tl.con
     tl.store(out_ptr + row[:, None] * D + column[None, :], out.to(tl.bfloat16), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["tokens", "blocks_per_split", "splits"])  # per-step sizes: one compile whatever the batch
+@triton.jit(do_not_specialize=["tokens", "blocks_per_split", "splits", "stride_table", "table_rows", "table_width",
+                               "has_lower"])  # per-step sizes: one compile whatever the batch
 def sparse_attention_kernel(
     q_ptr, stride_q_token, stride_q_head,
     kv_ptr, kv_page_stride, kv_block_size, kv_slots, indices_ptr, stride_indices, topk,
     swa_ptr, swa_page_stride, swa_block_size, swa_slots, swa_indices_ptr, stride_swa_indices, window,
+    table_ptr, stride_table, table_rows, table_width, positions_ptr, seq_ids_ptr, lower_ptr, has_lower,
     sink_ptr, scale, out_ptr, lse_ptr, acc_parts_ptr, max_parts_ptr, sum_parts_ptr,
     tokens, kv_blocks, blocks, blocks_per_split, splits,
     H: tl.constexpr, KV_FORMAT: tl.constexpr, SWA_FORMAT: tl.constexpr, KV_WORDS: tl.constexpr,
-    SWA_WORDS: tl.constexpr, HAS_SWA: tl.constexpr,
+    SWA_WORDS: tl.constexpr, HAS_SWA: tl.constexpr, BY_POSITION: tl.constexpr,
     HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Token program_id(0) // head groups, heads [BLOCK_H (program_id(0) % head groups), +BLOCK_H), key blocks
     [blocks_per_split program_id(1), +blocks_per_split) of its kv_blocks (kv_cache) then blocks - kv_blocks
-    (swa_cache): out and lse, or with splits > 1 the split's partials acc, max and sum [splits, tokens, H(, 512)]
-    (a run-time branch: one compile serves every split count)."""
+    (swa_cache: swa_indices, or BY_POSITION the token's window through the block table): out and lse, or with
+    splits > 1 the split's partials acc, max and sum [splits, tokens, H(, 512)] (a run-time branch: one compile
+    serves every split count)."""
     GROUPS: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     token = (tl.program_id(0) // GROUPS).to(tl.int64)
     head = (tl.program_id(0) % GROUPS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -135,15 +159,24 @@ def sparse_attention_kernel(
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, blocks)
     for block in range(first, tl.minimum(last, kv_blocks)):
-        m, l, acc = _attend_block(q, m, l, acc, kv_ptr, kv_page_stride, kv_block_size, kv_slots,
-                                  indices_ptr + token * stride_indices, topk, block * BLOCK_N, scale,
-                                  KV_FORMAT, KV_WORDS, BLOCK_N, INTERPRETED)
+        slot = _listed_slots(indices_ptr + token * stride_indices, topk, block * BLOCK_N, BLOCK_N)
+        m, l, acc = _attend_block(q, m, l, acc, kv_ptr, kv_page_stride, kv_block_size, kv_slots, slot, scale,
+                                  KV_FORMAT, KV_WORDS, INTERPRETED)
     if HAS_SWA:
         for block in range(tl.maximum(first, kv_blocks), last):
-            m, l, acc = _attend_block(q, m, l, acc, swa_ptr, swa_page_stride, swa_block_size, swa_slots,
-                                      swa_indices_ptr + token * stride_swa_indices, window,
-                                      (block - kv_blocks) * BLOCK_N, scale, SWA_FORMAT, SWA_WORDS, BLOCK_N,
-                                      INTERPRETED)
+            if BY_POSITION:  # the token's scalars loaded per block (cached): none stays live across the loop
+                seq = tl.load(seq_ids_ptr + token)
+                known = (seq >= 0) & (seq < table_rows)  # a sequence outside the table sees no key
+                seq = tl.where(known, seq, 0)
+                low = tl.maximum(tl.load(lower_ptr + seq, mask=has_lower != 0, other=0), 0)
+                slot = _window_slots(table_ptr + seq.to(tl.int64) * stride_table, table_width, swa_block_size,
+                                     swa_slots, tl.where(known, low, 2147483647), tl.load(positions_ptr + token),
+                                     window, (block - kv_blocks) * BLOCK_N, BLOCK_N)
+            else:
+                slot = _listed_slots(swa_indices_ptr + token * stride_swa_indices, window,
+                                     (block - kv_blocks) * BLOCK_N, BLOCK_N)
+            m, l, acc = _attend_block(q, m, l, acc, swa_ptr, swa_page_stride, swa_block_size, swa_slots, slot,
+                                      scale, SWA_FORMAT, SWA_WORDS, INTERPRETED)
     if splits > 1:
         part = (split * tokens + token) * H + head
         for c in tl.static_range(D // BLOCK_D):
@@ -202,6 +235,18 @@ def _cache_args(prefix: str, cache: torch.Tensor | None) -> dict:
             f"{prefix}_slots": cache.shape[0] * cache.shape[1]}
 
 
+def _window_args(inputs: dict, problem) -> dict:
+    """The window by position's block table (pointer, row stride, rows, width), positions, sequence ids and lower
+    bounds (has_lower 0: none given); placeholders the kernel never reads otherwise."""
+    if not problem.window_by_position:
+        return dict(table_ptr=None, stride_table=0, table_rows=0, table_width=0, positions_ptr=None,
+                    seq_ids_ptr=None, lower_ptr=None, has_lower=0)
+    table, lower = inputs["swa_block_table"], inputs.get("swa_lower")
+    return dict(table_ptr=table, stride_table=table.stride(0), table_rows=table.shape[0], table_width=table.shape[1],
+                positions_ptr=inputs["positions"], seq_ids_ptr=inputs["seq_ids"],
+                lower_ptr=inputs["positions"] if lower is None else lower, has_lower=int(lower is not None))
+
+
 def _words(cache: torch.Tensor | None) -> bool:
     """Whether the cache's records all start 4-byte aligned (records are 288 and 528 B, so: its data pointer and
     page stride)."""
@@ -238,11 +283,13 @@ def plan_attention(problem, inputs: dict, config: dict, out):
                   topk=problem.topk,
                   **_cache_args("swa", inputs["swa_cache"]), swa_indices_ptr=swa_indices,
                   stride_swa_indices=0 if swa_indices is None else swa_indices.stride(0), window=problem.window,
+                  **_window_args(inputs, problem),
                   sink_ptr=inputs["sink"], scale=scale, out_ptr=out.out, lse_ptr=out.lse, **parts, tokens=t,
                   kv_blocks=plan.kv_blocks, blocks=plan.blocks, blocks_per_split=plan.blocks_per_split,
                   splits=plan.splits, H=h,
                   KV_FORMAT=problem.kv_format, SWA_FORMAT=problem.swa_format,
                   KV_WORDS=_words(inputs["kv_cache"]), SWA_WORDS=_words(inputs["swa_cache"]), HAS_SWA=problem.swa,
+                  BY_POSITION=problem.window_by_position,
                   HAS_SINK=problem.sink, BLOCK_H=block_h, BLOCK_N=block_n,
                   BLOCK_D=config["block_d"], INTERPRETED=interpreted),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -289,10 +336,11 @@ def attention_default(problem) -> dict:
     """GPU: a token's heads in one program up to 64 (wgmma's M side: every record is decoded once per token; 128
     heads take two programs; 16 before Triton 3.9, whose builds spill), 32 keys per step in 64-column blocks on 8
     warps, 2 stages, up to 32 splits within one wave (T = 1, H = 64: 20 splits, a key block each, model 7.5 -> 6.3
-    us against at most 16; T = 8: 10; T = 64: 2). Interpreter (each tl op costs about the same whatever its size):
-    up to 64 heads and 64 keys per step over whole rows, one split."""
+    us against at most 16; T = 8: 10; T = 64: 2); the window by position on 3 stages (its slot arithmetic spills
+    16 B on 2, none on 3). Interpreter (each tl op costs about the same whatever its size): up to 64 heads and 64
+    keys per step over whole rows, one split."""
     block_h = min(64, max(16, triton.next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
         return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
     return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 32, "num_warps": 8,
-            "num_stages": 2}
+            "num_stages": 3 if problem.window_by_position else 2}
