@@ -1,5 +1,7 @@
 """The operator registry, dispatch and device handling, for every registered operator."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ import flashkern.ops
 from flashkern import device as devices
 from flashkern import registry
 from flashkern.dispatch import resolve, rule_choice
+from flashkern.kernels.indexer import Indexer
 from flashkern.kernels.indexer.cases import MAX_SPARSE_N_BLOCKS
 
 OPERATORS = sorted(registry.operators().values(), key=lambda op: op.name)
@@ -31,19 +34,33 @@ def test_unknown_operator_is_a_clear_error():
         registry.get("mystery")
 
 
+def _around_presets(op):
+    """Every preset problem, its leading size (tokens, rows, batch) at 1, 17 and 1000, and an indexer's problems
+    with a small indexer (4 heads x 64)."""
+    for problems in op.presets.values():
+        for problem in problems:
+            for size in (problem.sizes[0], 1, 17, 1000):
+                scaled = problem.with_sizes((size, *problem.sizes[1:]))
+                yield scaled
+                if hasattr(scaled, "indexer"):
+                    yield dataclasses.replace(scaled, indexer=Indexer(4, 64, scaled.indexer.fmt))
+
+
 @pytest.mark.parametrize("op", OPERATORS, ids=lambda op: op.name)
 def test_default_configs_satisfy_their_spaces(op):
-    """For every preset problem, each default config is a valid point of its tuning space on this device.
+    """For the problems around every preset, each default config (this device's, and the GPU's as planned for it)
+    is a valid point of its tuning space.
 
     (The GPU defaults against the GPU limits are checked by test_compile_check, which builds them.)
     """
     target = devices.info().kind
-    for problems in op.presets.values():
-        for problem in problems:
-            for impl in op.implementations:
-                config = impl.default_config(problem)
-                assert not impl.space.violations(problem, config, target), (problem.key, impl.name, config)
-                impl.space.check(problem, config, target)
+    for problem in _around_presets(op):
+        for impl in op.implementations:
+            config = impl.default_config(problem)
+            assert not impl.space.violations(problem, config, target), (problem.key, impl.name, config)
+            impl.space.check(problem, config, target)
+            with flashkern.planning_for_gpu():
+                impl.space.check(problem, impl.default_config(problem), "cuda")
 
 
 @pytest.mark.parametrize("op", OPERATORS, ids=lambda op: op.name)

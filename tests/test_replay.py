@@ -94,7 +94,8 @@ def _prefix(hit: int, new: int, heads: int, block_size: int, gen: torch.Generato
     latent = torch.randn(total, ref.LATENT, generator=gen).bfloat16()
     table, pages = window_table(gen, [0], [total - 1], block_size, spare=3)
     topk = torch.stack([torch.randint(0, p + 1, (12,), generator=gen) for p in range(total)]).int()
-    return dict(latent=latent, table=table, topk=topk, q=torch.randn(total, heads, ref.LATENT, generator=gen).bfloat16(),
+    q = torch.randn(total, heads, ref.LATENT, generator=gen).bfloat16()
+    return dict(latent=latent, table=table, topk=topk, q=q,
                 kv_cache=paged(ref.quantize_kv(latent, "fp4"), block_size),
                 swa_cache=torch.full((pages, block_size, 528), 0xFF, dtype=torch.uint8))
 

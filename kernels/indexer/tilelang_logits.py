@@ -679,14 +679,19 @@ def _tiles_a_block(key_tiles: int, other_blocks: int) -> int:
 
 def logits_default(problem: LogitsProblem) -> dict:
     """128 keys a tile against up to 256 score columns (rows x padded heads; 128 a warpgroup, so a row block reads
-    each key once for as many rows as the registers allow), `_tiles_a_block` tiles a block. 16 rows of 512K keys: 8
+    each key once for as many rows as the registers allow: at most the space's 8 and 128 accumulator values a
+    thread), `_tiles_a_block` tiles a block. 16 rows of 512K keys: 8
     rows a block model at 51 us before the head sum's issue is counted, 4 at 59 (HBM: each key read 4 times), 2 at
     99 (L2)."""
     head_slots = _head_slots(problem.indexer.heads)
-    block_m = max(1, min(1 << (problem.rows - 1).bit_length(), 256 // head_slots))
-    threads = 256 if block_m * head_slots > 128 else 128
-    tiles = _tiles_a_block(-(-problem.keys // 128), -(-problem.rows // block_m))
-    return {"block_m": block_m, "block_n": 128, "tiles": tiles, "threads": threads}
+    block_m = max(1, min(1 << (problem.rows - 1).bit_length(), 256 // head_slots, max(LOGITS_SPACE.params["block_m"])))
+    while True:  # mxfp4 keeps two accumulators: half the rows (sm_90a, 3 x 200 keys: 4 rows on 128 threads spill
+        # 404 B, on 256 268 B; 2 rows on 128 threads take 189 registers)
+        config = {"block_m": block_m, "block_n": 128, "threads": 256 if block_m * head_slots > 128 else 128}
+        if block_m == 1 or _accumulator_values(problem.indexer, block_m, config) <= 128:
+            break
+        block_m //= 2
+    return {**config, "tiles": _tiles_a_block(-(-problem.keys // 128), -(-problem.rows // block_m))}
 
 
 def paged_default(problem: PagedProblem) -> dict:

@@ -85,7 +85,8 @@ def window_table(gen: torch.Generator, first: list[int], last: list[int], block_
     number of pages the cache needs."""
     width = max(last) // block_size + 1
     table = torch.full((len(last), width), -1, dtype=torch.int32)
-    needed = [(s, p) for s in range(len(last)) for p in range(max(first[s], 0) // block_size, last[s] // block_size + 1)]
+    needed = [(s, p) for s in range(len(last))
+              for p in range(max(first[s], 0) // block_size, last[s] // block_size + 1)]
     ids = torch.randperm(len(needed) + spare, generator=gen)[: len(needed)]
     for (s, p), page in zip(needed, ids.tolist()):
         table[s, p] = page

@@ -144,7 +144,8 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             key[n] = Positions[t] - W + 1 + first + n
             page[n] = T.if_then_else(
                 (SeqIds[t] == row[n]) & (first + n < W) & (key[n] >= 0)
-                & (key[n] >= T.if_then_else(has_lower != 0, Lower[row[n]], 0)) & (key[n] // Cache.shape[1] < Table.shape[1]),
+                & (key[n] >= T.if_then_else(has_lower != 0, Lower[row[n]], 0))
+                & (key[n] // Cache.shape[1] < Table.shape[1]),
                 Table[row[n], T.min(T.max(key[n], 0) // Cache.shape[1], Table.shape[1] - 1)], -1)
             page[n] = T.if_then_else((page[n] >= 0) & (page[n] < Cache.shape[0]), page[n], -1)
             row[n] = T.if_then_else(page[n] >= 0, key[n] % Cache.shape[1], 0)
