@@ -16,7 +16,8 @@ pieces of at most 1024 rows (enough CTAs to fill the GPU), scaled the same way. 
 first token (30%; about 70% at 100K tokens) time the whole model and its scheduler, not one layer's kernels.
 
 Run: python benchmarks/bounded_replay.py [--hits 4096,16384,65536,102400] [--rows 16] [--budget 0.5]
-     [--no-model] [--impl tilelang] [--json out.json]
+     [--backend B] [--full-width] [--no-model] [--impl tilelang] [--json out.json]
+(on a GPU: --backend triton --full-width --rows 1024 --no-model, as scripts/gpu_check.sh runs it)
 """
 
 import argparse
@@ -66,14 +67,17 @@ def pieces(problem, limit: int) -> tuple[object, float]:
     return problem.with_sizes((limit, *problem.sizes[1:])), rows / limit
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _inputs(name: str, problem) -> dict:
     """The operator's preset inputs, with causal ends for the indexer rows at the end of the context."""
-    inputs = registry.get(name).make_inputs(problem, "cpu", 0)
+    inputs = registry.get(name).make_inputs(problem, DEVICE, 0)
     if name == "mqa_logits":
-        inputs["ks"] = torch.zeros(problem.rows, dtype=torch.int32)
-        inputs["ke"] = causal_ends(problem.rows, problem.keys)
+        inputs["ks"] = torch.zeros(problem.rows, dtype=torch.int32, device=DEVICE)
+        inputs["ke"] = causal_ends(problem.rows, problem.keys).to(DEVICE)
     elif name == "topk_indices":
-        inputs["ends"] = causal_ends(problem.rows, problem.positions)
+        inputs["ends"] = causal_ends(problem.rows, problem.positions).to(DEVICE)
     return inputs
 
 
@@ -83,7 +87,7 @@ def measured_seconds(name: str, problem, backend: str, budget: float) -> float:
     inputs = _inputs(name, problem)
     fresh = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     op.compare(inputs, op.reference(**fresh), op.result_of(inputs, backend=backend))
-    return measure(lambda: op.entry(**inputs, backend=backend), "cpu", budget=budget).median
+    return measure(lambda: op.entry(**inputs, backend=backend), DEVICE, budget=budget).median
 
 
 @cache
@@ -115,6 +119,10 @@ class Timed:
         return self.seconds(name, piece) * factor
 
 
+def _time(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def table(title: str, hits, timed) -> list[dict]:
     rows = []
     for hit in track(hits, description=title, console=Console(stderr=True), transient=True):
@@ -126,8 +134,8 @@ def table(title: str, hits, timed) -> list[dict]:
     print("|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         select = lambda t: t.get("mqa_logits", 0) + t.get("topk_indices", 0)  # noqa: E731
-        print(f"| {r['hit']} | {sum(r['full'].values()) * 1e3:.3f} ms | {select(r['full']) * 1e3:.3f} ms "
-              f"| {sum(r['bounded'].values()) * 1e3:.3f} ms | {select(r['bounded']) * 1e3:.3f} ms "
+        print(f"| {r['hit']} | {_time(sum(r['full'].values()))} | {_time(select(r['full']))} "
+              f"| {_time(sum(r['bounded'].values()))} | {_time(select(r['bounded']))} "
               f"| {r['reduction']:.1%} | {'about 70%' if r['hit'] >= 100_000 else '30%'} |")
     return rows
 
@@ -136,15 +144,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hits", default="4096,16384,65536,102400")
     parser.add_argument("--rows", type=int, default=16, help="rows each kernel is measured at here")
-    parser.add_argument("--backend", default="tilelang")
+    parser.add_argument("--backend", default="tilelang" if DEVICE.type == "cpu" else "triton")
+    parser.add_argument("--full-width", action="store_true", help="measure at the model's width (on a GPU)")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measurement")
     parser.add_argument("--impl", default="tilelang", help="the implementation the H200 prediction models")
     parser.add_argument("--no-model", action="store_true", help="skip the H200 prediction")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
     hits = [int(h) for h in args.hits.split(",")]
-    here = Timed(REDUCED, args.rows, lambda name, p: measured_seconds(name, p, args.backend, args.budget))
-    results = {"measured": table(f"Measured here ({args.backend}, reduced width, {args.rows}-row pieces)", hits, here)}
+    width = FULL if args.full_width else REDUCED
+    here = Timed(width, args.rows, lambda name, p: measured_seconds(name, p, args.backend, args.budget))
+    results = {"measured": table(f"Measured on {DEVICE.type} ({args.backend}, {'full' if args.full_width else 'reduced'} "
+                                 f"width, {args.rows}-row pieces)", hits, here)}
     if not args.no_model:
         h200 = Timed(FULL, MODEL_PIECE, lambda name, p: predicted_seconds(name, p, args.impl))
         results["h200"] = table(f"H200, flashkern model ({args.impl}, the model's width)", hits, h200)

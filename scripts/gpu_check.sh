@@ -38,7 +38,8 @@ step tests-indexer 65 "$py" -m pytest tests/test_indexer.py -q -p no:cacheprovid
 step tests-mhc 65 "$py" -m pytest tests/test_mhc.py -q -p no:cacheprovider --junitxml="$out/tests-mhc.xml"
 step tests-layouts-compat 65 "$py" -m pytest tests/test_layouts.py tests/test_vllm_routing.py tests/test_vllm_topk.py \
     tests/test_vllm_mhc.py tests/test_deep_gemm.py -q -p no:cacheprovider --junitxml="$out/tests-layouts-compat.xml"
-step tests-kv-cache 40 "$py" -m pytest tests/test_kv_cache.py -q -p no:cacheprovider --junitxml="$out/tests-kv-cache.xml"
+step tests-kv-cache 45 "$py" -m pytest tests/test_kv_cache.py tests/test_replay.py -q -p no:cacheprovider \
+    --junitxml="$out/tests-kv-cache.xml"
 step tests-serving 50 "$py" -m pytest tests/test_serving.py -q -p no:cacheprovider --junitxml="$out/tests-serving.xml"
 for op in mqa_logits; do
     step "tune-$op" 30 "$py" -m flashkern tune "$op" --preset smoke --budget 0.1 --max-configs 8
@@ -50,6 +51,8 @@ step indexer-work 30 "$py" benchmarks/indexer_work.py --rows 16 --backends refer
     --json "$out/indexer-work.json"
 step mhc-bandwidth 35 "$py" benchmarks/mhc_bandwidth.py --kernel-tokens 8192 --budget 0.2
 step kv-cache-bytes 20 "$py" benchmarks/kv_cache_bytes.py --tokens 1,8,64 --kernel-tokens 64 --budget 0.2
+step bounded-replay 30 "$py" benchmarks/bounded_replay.py --backend triton --full-width --rows 1024 \
+    --hits 4096,16384,65536 --no-model --budget 0.1 --json "$out/bounded-replay.json"
 step designs 40 "$py" benchmarks/designs.py --tokens 1,8,64,4096 --budget 0.2 --json "$out/designs.json"
 step model-vs-measured 10 "$py" benchmarks/model_vs_measured.py docs/model-h200.json "$out/bench.json" \
     --json "$out/model-vs-measured.json"
