@@ -133,3 +133,31 @@ def test_bounded_replay_reads_no_window_row_below_its_bound(backend, hit, new, b
                  state["latent"], "mxfp8", backend="reference")
     cold = ATTENTION.reference(**{**inputs, "swa_cache": cold_cache, "swa_lower": None})
     assert not torch.equal(cold.lse[0], result.lse[0])  # the first replayed row sees itself only
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_by_position_is_close_to_unquantized_attention(backend):
+    """Against attention on the unquantized bf16 latents, cosine similarity > 0.99 (FlashMLA's check), with the
+    window by position: one sequence of 300 positions in shuffled pages of 16, tokens at the sequence's start,
+    middle and end (5, 150 and 299: windows of 6, 128 and 128 keys)."""
+    gen = torch.Generator().manual_seed(11)
+    heads, topk, total = 16, 48, 300
+    latent = torch.randn(total, ref.LATENT, generator=gen).bfloat16()
+    positions = torch.tensor([5, 150, 299])
+    picks = [torch.randperm(int(p) + 1, generator=gen)[:topk] for p in positions]  # the first token: 6, padded
+    indices = torch.stack([torch.cat((pick, torch.full((topk - len(pick),), -1))) for pick in picks]).int()
+    table, pages = window_table(gen, [0], [total - 1], 16, spare=2)
+    rows = torch.zeros(pages * 16, ref.LATENT).bfloat16()
+    everything = torch.arange(total)
+    rows[table[0].long()[everything // 16] * 16 + everything % 16] = latent
+    q = torch.randn(len(positions), heads, ref.LATENT, generator=gen).bfloat16()
+    window = [torch.arange(max(int(p) - 127, 0), int(p) + 1) for p in positions]
+    exact = torch.stack([torch.einsum("hn,nd->hd", torch.softmax(
+        torch.einsum("hd,nd->hn", q[t].float(), keys.float()) * ref.LATENT**-0.5, dim=-1), keys.float())
+        for t, keys in enumerate(torch.cat((latent[picks[t]], latent[window[t]])) for t in range(3))])
+    inputs = on_device(dict(q=q, kv_cache=paged(ref.quantize_kv(latent, "fp4"), 16), indices=indices,
+                            swa_cache=paged(ref.quantize_kv(rows, "mxfp8"), 16), swa_block_table=table,
+                            positions=positions.int(), seq_ids=torch.zeros(3, dtype=torch.int32)))
+    out = ATTENTION.entry(**inputs, backend=backend).out.cpu().float()
+    cosine = torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0)
+    assert cosine > 0.99, cosine

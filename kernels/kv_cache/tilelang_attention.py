@@ -144,7 +144,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             key[n] = Positions[t] - W + 1 + first + n
             page[n] = T.if_then_else(
                 (SeqIds[t] == row[n]) & (first + n < W) & (key[n] >= 0)
-                & (key[n] >= T.if_then_else(has_lower != 0, Lower[row[n]], 0))
+                & (key[n] >= T.if_then_else(has_lower != 0, Lower[T.min(row[n], Lower.shape[0] - 1)], 0))
                 & (key[n] // Cache.shape[1] < Table.shape[1]),
                 Table[row[n], T.min(T.max(key[n], 0) // Cache.shape[1], Table.shape[1] - 1)], -1)
             page[n] = T.if_then_else((page[n] >= 0) & (page[n] < Cache.shape[0]), page[n], -1)
@@ -367,7 +367,7 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     swa_indices = inputs["swa_indices"]
     if swa_indices is None:  # its width is the window's (0 without one); no rows: never read
         swa_indices = torch.empty((0, problem.window), dtype=torch.int32, device=device)
-    none = torch.zeros((1, 1), dtype=torch.int32, device=device)  # an int32 argument the kernel never reads
+    none = torch.empty((1, 1), dtype=torch.int32, device=device)  # an int32 argument the kernel never reads
     table, positions, seq_ids, lower = (inputs.get(name) for name in WINDOW_BY_POSITION_ARGS)
     if not problem.window_by_position:
         table, positions, seq_ids = none, none[0], none[0]
