@@ -22,7 +22,7 @@ from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import checks, registry
 from flashkern.kernels.indexer import CandidateProblem, Indexer, LogitsProblem, PagedProblem, SparseProblem, TopkProblem
-from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
+from flashkern.kernels.kv_cache import WINDOW_BY_POSITION, AttentionProblem, CodecProblem
 from flashkern.reference import kv_cache as ref
 from test_layouts import layout
 
@@ -186,7 +186,7 @@ def window_case(data):
     slots = ref.window_slots(drawn["positions"], drawn["seq_ids"], drawn["swa_block_table"], block_size,
                              problem.window, drawn["swa_lower"])
     fixed = dict(swa_cache=cache, swa_indices=_slots_or_padding(slots, pages * block_size).int(),
-                 **dict.fromkeys(("swa_block_table", "positions", "seq_ids", "window", "swa_lower")))
+                 **dict.fromkeys(WINDOW_BY_POSITION))
     return {**inputs, **drawn}, {**inputs, **fixed}, None
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from _device import DEVICE, on_device
 from flashkern import registry
-from flashkern.kernels.kv_cache import AttentionProblem, window_indices
+from flashkern.kernels.kv_cache import WINDOW_BY_POSITION, window_indices
 from flashkern.kernels.kv_cache.problem import paged, window_table
 from flashkern.reference import kv_cache as ref
 from flashkern.replay import plan_replay
@@ -79,7 +79,7 @@ def test_window_by_position_equals_its_index_list(backend, data):
     """The same keys by position and as the index list window_slots gives: the same kernel result, bit for bit."""
     inputs = data.draw(ATTENTION.cases().filter(lambda i: i["swa_block_table"] is not None).map(on_device))
     listed = {**inputs, "swa_indices": window_indices(inputs).int(),
-              **dict.fromkeys(("swa_block_table", "positions", "seq_ids", "window", "swa_lower"))}
+              **dict.fromkeys(WINDOW_BY_POSITION)}
     by_position, by_list = (ATTENTION.entry(**i, backend=backend) for i in (inputs, listed))
     for a, b in zip(by_position, by_list):  # bit for bit (NaN included)
         assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
@@ -124,7 +124,7 @@ def test_bounded_replay_reads_no_window_row_below_its_bound(backend, hit, new, b
     kept = paged(ref.quantize_kv(state["latent"][chunk], "mxfp8"), block_size)  # row i: position chunk[i]
     first = (chunk[:, None] - 127 + torch.arange(128, device=DEVICE)[None, :]) - plan.lower
     alone = {**inputs, "swa_cache": kept, "swa_indices": torch.where(first >= 0, first, -1).int(),
-             **dict.fromkeys(("swa_block_table", "positions", "seq_ids", "swa_lower"))}
+             **dict.fromkeys(WINDOW_BY_POSITION)}
     ATTENTION.compare(alone, ATTENTION.reference(**alone), result)
 
     cold_cache = state["swa_cache"].clone()
