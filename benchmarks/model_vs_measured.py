@@ -3,7 +3,7 @@
 Joins a saved model (`flashkern model --json MODEL`, made on any machine: it needs Triton's interpreter and
 TileLang, which a GPU image may lack; records of changed kernel sources are dropped) with measured times
 (`flashkern bench --json BENCH` on the GPU) by (operator, backend, shape), default configs.
-Run: python benchmarks/model_vs_measured.py MODEL BENCH [--json OUT]
+Run: python benchmarks/model_vs_measured.py MODEL BENCH... [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import statistics
 from flashkern import model
 
 
-def joined(model_path: str, bench_path: str) -> list[dict]:
+def joined(model_path: str, bench_paths: list[str]) -> list[dict]:
     predicted = model.current_records(model_path)
-    with open(bench_path) as f:
-        measured = json.load(f)
+    measured = []
+    for path in bench_paths:
+        with open(path) as f:
+            measured += json.load(f)
     rows = []
     for m in measured:
         record = predicted.get((m["op"], m["backend"], m["shape"]))
@@ -34,7 +36,7 @@ def joined(model_path: str, bench_path: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="JSON from flashkern model --json")
-    parser.add_argument("bench", help="JSON from flashkern bench --json")
+    parser.add_argument("bench", nargs="+", help="JSON from flashkern bench --json (one or more)")
     parser.add_argument("--json", help="also write the joined rows here")
     args = parser.parse_args()
     rows = joined(args.model, args.bench)
