@@ -31,8 +31,10 @@ def library_versions() -> dict[str, str]:
     import tilelang
     import triton
 
+    from flashkern.autotune.timing import METHOD
+
     return {"torch": torch.__version__, "triton": triton.__version__, "tilelang": tilelang.__version__,
-            "flashkern": flashkern.__version__}
+            "flashkern": flashkern.__version__, "timing": METHOD}
 
 
 INSTRUMENTS = frozenset(f"{_KERNELS}.{name}" for name in ("build", "sass", "_triton.traffic", "_tilelang.traffic"))

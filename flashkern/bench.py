@@ -4,9 +4,10 @@ Every implementation's output is checked against the reference before it is time
 its entry point in checked mode, so the inputs' index values are checked too), and the
 bytes the operator must move (its cost model) turn times into GB/s. Interpreted Triton (CPU) is
 checked, not timed, unless asked: it is a correctness path, not a speed contender. Timing is the tuner's
-(flashkern.autotune.timing.measure: torch's Timer on CPU, triton's do_bench on CUDA, at a fixed
-torch thread count, 1 on CPU): each row's Timing has the median, its IQR (the spread) and the
-thread count.
+(flashkern.autotune.timing.measure: torch's Timer on CPU; on CUDA, device time from CUDA graphs, or
+call by call with host time included for a call that cannot be captured (a reference that reads the
+host; marked "eager"); at a fixed torch thread count, 1 on CPU): each row's Timing has the median, its
+IQR (the spread) and the thread count.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def cmd_bench(args) -> int:
     backends = args.backends.split(",") if args.backends else None
     console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs ± IQR / median (GB/s of "
                   "the bytes the operator must move); interpreted Triton (CPU) is checked, not timed, unless "
-                  "--time-interpreted (then marked *)")
+                  "--time-interpreted (then marked *); on CUDA, device time from CUDA graphs (host time included "
+                  "where a call cannot be captured: marked eager)")
     total = sum(len(_problems(registry.get(name), args)) * len(registry.get(name).backends) for name in names)
     with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -157,7 +158,8 @@ def cmd_bench(args) -> int:
                                "checked" if r.status == "checked" else "—")
                     continue
                 star = "*" if backend == "triton" and info.kind == "cpu" else ""
-                row.append(f"{_us(r.timing.median)}{star} ±{r.timing.spread:.0%} ({r.gbps:.2f})")
+                eager = " eager" if info.kind == "cuda" and not r.timing.graphed else ""
+                row.append(f"{_us(r.timing.median)}{star} ±{r.timing.spread:.0%} ({r.gbps:.2f}){eager}")
                 if not star:  # interpreted Triton is a correctness path, never the fastest
                     timed[backend] = r.timing.median
             row.append(_fastest(timed))

@@ -61,9 +61,11 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
-    """fp32 value 2^(e - 127) of each ue8m0 byte e (0 is 2^-127; 0xFF is NaN)."""
-    value = torch.exp2(scale.float() - UE8M0_BIAS)
-    return torch.where(scale == UE8M0_NAN, torch.nan, value)
+    """fp32 value 2^(e - 127) of each ue8m0 byte e (0 is 2^-127; 0xFF is NaN), built from its bits: exact on every
+    device (CUDA's exp2 need not be exact for subnormal results)."""
+    e = scale.to(torch.int32)
+    value = torch.where(e == 0, 1 << 22, e << 23).view(torch.float32)
+    return torch.where(e == UE8M0_NAN, torch.nan, value)
 
 
 def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:

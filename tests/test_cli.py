@@ -50,7 +50,7 @@ def test_long_lines_are_not_wrapped_off_a_terminal():
     """A line meant to be copied (the bench header here) stays one line when stdout is a pipe."""
     proc = run_cli("bench", "sinkhorn", "--budget", "0.001", "--backends", "triton")
     header = next(line for line in proc.stdout.splitlines() if line.startswith("bench on"))
-    assert header.endswith("unless --time-interpreted (then marked *)"), header
+    assert header.endswith("where a call cannot be captured: marked eager)"), header
 
 
 def test_bench_and_compile_check_refuse_unknown_names():

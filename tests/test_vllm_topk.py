@@ -31,10 +31,10 @@ def create_random_logits(row_starts, row_ends, seed: int, clean_logits: bool, da
 
 
 def expected_top_k(logits: torch.Tensor, row_starts, row_ends, top_k: int) -> list[torch.Tensor]:
-    """vLLM's reference: per row, torch.topk over [start, end) (local indices)."""
+    """vLLM's reference: per row, torch.topk over [start, end) (local indices, on the CPU)."""
     out = []
     for row, (start, end) in enumerate(zip(row_starts.tolist(), row_ends.tolist())):
-        out.append(logits[row, start:end].topk(min(top_k, max(end - start, 0))).indices)
+        out.append(logits[row, start:end].topk(min(top_k, max(end - start, 0))).indices.cpu())
     return out
 
 

@@ -137,11 +137,19 @@ def _lowest_key_of_digit(digit):
 
 
 @triton.jit
+def suffix_sum(x, axis: tl.constexpr):
+    """x's sums from each entry to the end of `axis` (integers: exact). Not tl.cumsum(reverse=True): on sm_90
+    (Triton 3.6, H200) the reverse scan gave wrong counts (triton-lang/triton#4362, #8412), which the
+    interpreter never shows."""
+    return tl.sum(x, axis, keep_dims=True) - tl.cumsum(x, axis) + x
+
+
+@triton.jit
 def _next_digit(histogram, found, quota, shift):
     """One radix pass's result: histogram [BLOCK_M, 256] of the digit at `shift` among the keys whose higher digits
     are `found`; scanning from the top bin, the bin holding the quota-th largest is the digit, and the quota drops by
     the keys in the bins above it."""
-    at_or_above = tl.cumsum(histogram, 1, reverse=True)
+    at_or_above = suffix_sum(histogram, 1)
     digit = tl.sum((at_or_above >= quota[:, None]).to(tl.int32), axis=1) - 1
     quota -= tl.sum(tl.where(tl.arange(0, RADIX_BINS)[None, :] > digit[:, None], histogram, 0), axis=1)
     return found | (digit << shift), quota
@@ -285,7 +293,7 @@ def _publish_histogram(histogram, total_ptr, suffix_ptr, row, chunk_id, chunks):
     suffix sums (keys in the bins >= each) for the compaction's offsets."""
     bins = tl.arange(0, RADIX_BINS)
     tl.atomic_add(total_ptr + row * RADIX_BINS + bins, histogram, mask=histogram > 0)
-    tl.store(suffix_ptr + (row * chunks + chunk_id) * RADIX_BINS + bins, tl.cumsum(histogram, 0, reverse=True))
+    tl.store(suffix_ptr + (row * chunks + chunk_id) * RADIX_BINS + bins, suffix_sum(histogram, 0))
 
 
 @triton.jit
