@@ -3,7 +3,10 @@ shapes. Each config is checked against the reference before it is timed; on a CP
 only (--time-interpreted to time it).
 
   sparse_decode_attention: 16-head groups (every record gathered and decoded by each group of a token) against the
-      default (a token's 64 heads in one CTA where the backend's builds allow it), T = 1 to 4096;
+      default (a token's 64 heads in one CTA where the backend's builds allow it), T = 1 to 4096; and, for the window
+      by position at the token counts above the window, TileLang's shared window (each token's own window record
+      decoded once for the call, the keys tokens of the call hold read as bf16 rows: docs/operators.md 8.4) against
+      its default (each token decodes its window);
   sparse_mqa_logits: Triton's earlier form (every candidate's score kept, one top-k over the row's 16384) against
       spans that keep their best top_k; TileLang's 8-tile spans against its default (a tile per span);
   mhc_pre, mhc_post_pre: the epilogue run by each token tile's last split (one launch) against the default (its own
@@ -49,12 +52,17 @@ def _unsplit_16_row_tiles(default: dict) -> dict:
     return {**default, "block_t": 16, "splits": 1, "threads": 128, "num_stages": 2}
 
 
+def _shared_window(default: dict) -> dict:
+    return {**default, "shared_window": 1}
+
+
 DESIGNS = {  # operator -> backend -> (design name, config or default -> config): timed beside the default
     "sparse_decode_attention": {
         "triton": ("16-head groups", {"block_h": 16, "block_n": 32, "block_d": 128, "max_splits": 16, "num_warps": 8,
                                       "num_stages": 2}),
         "tilelang": ("16-head groups", _sixteen_head_groups),
     },
+    "sparse_decode_attention by position": {"tilelang": ("window decoded once per call", _shared_window)},
     "sparse_mqa_logits": {
         "triton": ("every candidate kept", {"block_n": 256, "tiles": 1, "num_warps": 8}),
         "tilelang": ("8-tile spans", {"block_n": 128, "tiles": 8, "threads": 128}),
@@ -68,25 +76,29 @@ DESIGNS = {  # operator -> backend -> (design name, config or default -> config)
 }
 
 
-def problems(op_name: str, tokens: list[int]) -> list:
-    if op_name == "sparse_decode_attention":
+def problems(design_key: str, tokens: list[int]) -> list:
+    if design_key == "sparse_decode_attention":
         return [AttentionProblem(t, V41_TOPK, V41_WINDOW, V41_HEADS, swa=True, sink=True) for t in tokens]
-    return list(registry.get(op_name).presets["v41-flash"])
+    if design_key == "sparse_decode_attention by position":  # prefill chunks: more tokens than the window
+        return [AttentionProblem(t, V41_TOPK, V41_WINDOW, V41_HEADS, swa=True, sink=True, window_by_position=True)
+                for t in tokens if t > V41_WINDOW]
+    return list(registry.get(design_key).presets["v41-flash"])
 
 
-def rows(op_names, tokens, budget: float, device: torch.device, time_interpreted: bool):
+def rows(design_keys, tokens, budget: float, device: torch.device, time_interpreted: bool):
     info = devices.info(device)
-    for op_name in op_names:
+    for design_key in design_keys:
+        op_name = design_key.split()[0]
         op = registry.get(op_name)
-        for problem in problems(op_name, tokens):
+        for problem in problems(design_key, tokens):
             inputs = op.make_inputs(problem, device, seed=0)
             expected = op.reference(**inputs)
             for impl in op.implementations:
-                if impl.name not in DESIGNS[op_name]:
+                if impl.name not in DESIGNS[design_key]:
                     continue
                 reason = impl.unavailable(info)
                 default = impl.default_config(problem)
-                design, alternative = DESIGNS[op_name][impl.name]
+                design, alternative = DESIGNS[design_key][impl.name]
                 alternative = alternative(default) if callable(alternative) else alternative
                 for design, config in ((design, alternative), ("default", default)):
                     row = dict(op=op_name, problem=problem.key, backend=impl.name, design=design, config=config)
@@ -108,7 +120,7 @@ def rows(op_names, tokens, budget: float, device: torch.device, time_interpreted
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default=",".join(DESIGNS), help="comma-separated operators")
+    parser.add_argument("--ops", default=",".join(DESIGNS), help="comma-separated DESIGNS keys (operators)")
     parser.add_argument("--tokens", default="1,8,64,4096", help="sparse_decode_attention's token counts")
     parser.add_argument("--budget", type=float, default=0.2, help="seconds of timing per config")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

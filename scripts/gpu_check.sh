@@ -41,8 +41,9 @@ if [ -n "${GPU_SITE:-}" ]; then
     step setup 60 bash -c "rm -rf $site && mkdir -p $site && xz -dc -T0 '$GPU_SITE' | tar xf - -C $site && \
         $py -m pip install -q --no-deps --no-build-isolation --no-index -e ."
 fi
-step env 30 bash -c "nvidia-smi; which nvcc; nvcc --version; $py -c 'import torch, triton, tilelang, flashkern.device as d; \
-print(torch.__version__, triton.__version__, tilelang.__version__); print(d.info())'"
+step env 30 bash -c "nvidia-smi; which nvcc; nvcc --version; \
+    $py -c 'import torch, triton, tilelang, flashkern.device as d; \
+            print(torch.__version__, triton.__version__, tilelang.__version__); print(d.info())'"
 
 # Phase 1 (parallel, at most PHASE1_SECONDS): the suites, and each operator's preset checked against the reference
 # (which compiles it).
@@ -62,11 +63,15 @@ wait
 deadline=$final_deadline
 
 # Phase 2 (serial, GPU otherwise idle): timings from the warm caches.
-for group in "moe_route moe_route_gate" "mqa_logits paged_mqa_logits topk_indices" "candidate_blocks sparse_mqa_logits" \
-             "sinkhorn mhc_pre mhc_post mhc_post_pre" "quantize_kv dequantize_kv kv_cache_insert" "sparse_decode_attention"; do
+for group in "moe_route moe_route_gate" "mqa_logits paged_mqa_logits topk_indices" \
+             "candidate_blocks sparse_mqa_logits" "sinkhorn mhc_pre mhc_post mhc_post_pre" \
+             "quantize_kv dequantize_kv kv_cache_insert" "sparse_decode_attention"; do
     name=${group%% *}
-    step "bench-$name" 40 "$py" -m flashkern bench $group --preset v41-flash --budget 0.08 --json "$out/bench-$name.json"
+    step "bench-$name" 40 "$py" -m flashkern bench $group --preset v41-flash --budget 0.08 \
+        --json "$out/bench-$name.json"
 done
+step designs-shared-window 60 "$py" benchmarks/designs.py --ops "sparse_decode_attention by position" \
+    --tokens 2048,8192 --budget 0.1 --json "$out/designs-shared-window.json"
 step tune-mqa_logits 30 "$py" -m flashkern tune mqa_logits --preset smoke --budget 0.05 --max-configs 6
 step table-mqa_logits 10 "$py" -m flashkern table mqa_logits --export "$out/table-mqa_logits.json"
 step report-mqa_logits 10 "$py" -m flashkern report mqa_logits --plot "$out/mqa_logits.png"

@@ -81,9 +81,58 @@ def test_window_by_position_equals_its_index_list(backend, data):
     listed = {**inputs, "swa_indices": window_indices(inputs).int(),
               **dict.fromkeys(WINDOW_BY_POSITION)}
     by_position, by_list = (ATTENTION.entry(**i, backend=backend) for i in (inputs, listed))
-    for a, b in zip(by_position, by_list):  # bit for bit (NaN included)
-        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(_bits(by_position), _bits(by_list)))  # bit for bit (NaN included)
+
+
+def _bits(result) -> list[torch.Tensor]:
+    return [t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32) for t in result]
+
+
+def _shared_window_case(gen: torch.Generator) -> dict:
+    """A prefill-like call of 3 sequences whose tokens interleave: sequence 0 a chunk of 40 consecutive positions
+    from 30 (its first window keys before the chunk), sequence 1 positions 5 .. 24 with a gap at 15 (tokens whose
+    window misses a key in the call), sequence 2 one token; window 9, a lower bound on sequence 0; pages of 4 in any
+    order, one missing."""
+    positions = [list(range(30, 70)), [*range(5, 15), *range(16, 25)], [3]]
+    order = torch.randperm(sum(map(len, positions)), generator=gen)
+    seq_ids = torch.cat([torch.full((len(p),), s) for s, p in enumerate(positions)])[order].int()
+    position = torch.cat([torch.tensor(p) for p in positions])[order].int()
+    # tokens of one sequence keep their order (consecutive in the call except where another sequence interleaves)
+    for s in range(3):
+        at = (seq_ids == s).nonzero().flatten()
+        position[at] = position[at].sort().values
+    problem = ATTENTION.presets["smoke"][0]
+    inputs = ATTENTION.make_inputs(type(problem)(position.numel(), 16, 9, 16, swa=True, sink=True,
+                                                 window_by_position=True), "cpu", seed=3)
+    table, blocks = window_table(gen, [0, 0, 0], [69, 24, 3], 4, spare=3)
+    table[1, 2] = -1  # sequence 1 loses positions 8 .. 11
+    cache = paged(ref.quantize_kv(torch.randn(blocks * 4, ref.LATENT, generator=gen).bfloat16(), "mxfp8"), 4)
+    return {**inputs, "swa_cache": cache, "swa_block_table": table, "positions": position, "seq_ids": seq_ids,
+            "window": 9, "swa_lower": torch.tensor([33, 0, 0], dtype=torch.int32)}
+
+
+def test_shared_window_reads_the_same_keys_as_each_token_decoding_its_own():
+    """TileLang's shared window (each token's own window record decoded once for the call, the held keys read from
+    those rows) gives the per-token decode's result bit for bit: a directed call with interleaved sequences, a gap,
+    keys before the chunk, a lower bound and a missing page; then drawn cases."""
+    inputs = on_device(_shared_window_case(torch.Generator().manual_seed(0)))
+    tilelang = ATTENTION.implementation("tilelang")
+    problem = ATTENTION.check(dict(inputs))
+    default = tilelang.default_config(problem)
+    shared, each = (ATTENTION.result_of(inputs, backend="tilelang", config={**default, "shared_window": on})
+                    for on in (1, 0))
+    assert all(torch.equal(a, b) for a, b in zip(_bits(shared), _bits(each)))
+    ATTENTION.compare(inputs, ATTENTION.reference(**inputs), shared)
+
+
+@given(data=st.data())
+def test_shared_window_equals_the_per_token_decode_on_drawn_cases(data):
+    inputs = data.draw(ATTENTION.cases().filter(lambda i: i["swa_block_table"] is not None).map(on_device))
+    problem = ATTENTION.check(dict(inputs))
+    default = ATTENTION.implementation("tilelang").default_config(problem)
+    shared, each = (ATTENTION.result_of(inputs, backend="tilelang", config={**default, "shared_window": on})
+                    for on in (1, 0))
+    assert all(torch.equal(a, b) for a, b in zip(_bits(shared), _bits(each)))
 
 
 def _prefix(hit: int, new: int, heads: int, block_size: int, gen: torch.Generator) -> dict:

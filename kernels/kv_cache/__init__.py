@@ -22,18 +22,17 @@ from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
 from flashkern.kernels.kv_cache import tilelang_attention, tilelang_records, triton_attention, triton_records
 from flashkern.kernels.kv_cache.cases import attention_cases, codec_cases
-from flashkern.kernels.kv_cache.problem import (CACHE_BLOCK, AttentionProblem, CodecProblem, empty_attention,
-                                                empty_latent, empty_records, paged, window_table)
+from flashkern.kernels.kv_cache.problem import (CACHE_BLOCK, WINDOW_BY_POSITION, AttentionProblem, CodecProblem,
+                                                empty_attention, empty_latent, empty_records, paged, window_table)
 from flashkern.reference import kv_cache as ref
 from flashkern.reference.kv_cache import FORMATS, LATENT, AttentionOutputs
 from flashkern.registry import Cost, Implementation, Operator
 
-__all__ = ["AttentionProblem", "CodecProblem", "OPERATORS", "compare_attention"]
+__all__ = ["AttentionProblem", "CodecProblem", "OPERATORS", "WINDOW_BY_POSITION", "compare_attention"]
 
 FORMAT_NAMES = tuple(FORMATS)
 MAX_HEADS = 128
 MAX_WINDOW = 1 << 16  # keys of a window by position (the model's: 128)
-WINDOW_BY_POSITION = ("swa_block_table", "positions", "seq_ids", "window", "swa_lower")
 DECODE_TOKENS = 64  # make_attention_inputs: up to this many tokens are a decode batch (a sequence each)
 
 # ---------------------------------------------------------------- argument checks

@@ -16,6 +16,7 @@ from flashkern.reference.kv_cache import FORMATS, LATENT, AttentionOutputs
 from flashkern.registry import SizedProblem
 
 
+WINDOW_BY_POSITION = ("swa_block_table", "positions", "seq_ids", "window", "swa_lower")  # sparse_decode_attention's
 CACHE_BLOCK = 64  # tokens per cache page in the presets (FlashMLA's page size)
 
 
@@ -122,3 +123,4 @@ def key_splits(problem: AttentionProblem, block_h: int, block_n: int, max_splits
     wanted = max(1, min(max_splits, SMS // ctas, blocks))
     per_split = -(-blocks // wanted) if blocks else 1
     return KeySplits(kv_blocks, swa_blocks, -(-blocks // per_split) if blocks else 1, per_split)
+

@@ -5,14 +5,15 @@
 
 grid (T, ceil(H / block_h), splits); tile: block_h heads (the MMA's M side; K = V) x block_n keys x 512 columns.
   1. q_tile [block_h, 512] once; per key block (key_splits: top-k blocks, then the window's, by index row or by
-     position) the records gathered to shared memory (codes, then scales) and decoded once into k_tile bf16, two
-     codes per bf16x2 (bits placed, two exact multiplies: rebias, scale), 16-byte stores;
+     position) the records gathered to shared memory and decoded once into k_tile bf16 (bf16x2 pairs: bits placed,
+     two exact multiplies), 16-byte stores; shared_window: window blocks whose keys tokens of the call hold are
+     read from bf16 rows a stage 0 decoded once per token (docs/operators.md 8.4);
   2. s = q_tile . k_tile^T * scale, online softmax in fp32 (shift 0 where m is not finite), p rounded to bf16,
      acc = acc alpha + p . k_tile (T.gemm: wgmma at 64 heads);
   3. out and lse (the sink joins), or fp32 partials for `combine_program`, staged in shared memory, 16-byte stores.
 H200: issue-bound (the decode, the QK k-steps, the rescale); T = 4096 near the tensor term (584 us, 59% of the
 bf16 peak). The key loop is not pipelined (TileLang 0.1.15 pipelines cp.async gathers only over static trip
-counts). CPU: the tiles are local fp32 buffers of the same bf16 values; docs/operators.md section 8.3.
+counts). CPU: the tiles are local fp32 buffers of the same bf16 values; docs/operators.md 8.3.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
@@ -21,13 +22,12 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, codecs, row_strided
-from flashkern.kernels.kv_cache.problem import AttentionProblem, key_splits
+from flashkern.kernels.kv_cache.problem import WINDOW_BY_POSITION, AttentionProblem, key_splits
 from flashkern.kernels.kv_cache.tilelang_records import cache_arg, locate_slot, scale_value
 from flashkern.kernels.tiles import SMS
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
 NEG_INF = -T.infinity("float32")
-WINDOW_BY_POSITION_ARGS = ("swa_block_table", "positions", "seq_ids", "swa_lower")
 POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
 COMBINE_COLUMNS = 128  # a combine block's columns; its heads: the config's combine_heads (combine_heads_for)
@@ -53,6 +53,21 @@ def _sink(Sink, h, has_sink):
     return T.if_then_else(has_sink != 0, Sink[h], NEG_INF)
 
 
+def shares_window(problem: AttentionProblem, config: dict) -> bool:
+    """Whether the plan decodes the window once for the call (docs/operators.md section 8.4, "Sharing the window's
+    decodes"): each token's own window record into bf16 rows first (window_rows), which the key loop reads for the
+    window keys that tokens of the call hold; by position only, where the config asks (`shared_window`)."""
+    return problem.window_by_position and bool(config.get("shared_window", 0))
+
+
+def _not_held(Positions, SeqIds, t, source, key):
+    """Whether token `source` of the call is not token t's key `key` (the same sequence, at that position): outside
+    the call, another sequence or another position."""
+    clamped = T.min(T.max(source, 0), Positions.shape[0] - 1)
+    return ((source < 0) | (source >= Positions.shape[0]) | (SeqIds[clamped] != SeqIds[t])
+            | (Positions[clamped] != key))
+
+
 def pair_bits(fmt, rec, n, g, j):
     """The bf16x2 bits of codes 2j, 2j + 1 of scale block g of record n in rec, before the rebias."""
     if fmt.name == "fp4":
@@ -73,9 +88,11 @@ def _cache_tensor(fmt, blocks, block_size, page_stride):
 
 def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned: bool):
     """Stage 1 (module docstring): out / lse directly with one split (the partials are then placeholders
-    [1, 1, H, ..]), else the partials [splits, T, H, ..] (acc; m and l). The heads, the window (0 without a window
-    cache) and has_sink are run-time values, so problems that differ only in them share one compiled kernel;
-    `aligned` (attention_layout) chooses the GPU's loads at build time, so a kernel holds one load path."""
+    [1, 1, H, ..]), else the partials [splits, T, H, ..] (acc; m and l); with the shared window (shares_window)
+    also stage 0, window_rows, which decodes each token's own window record once for the key loop to read. The
+    heads, the window (0 without a window cache) and has_sink are run-time values, so problems that differ only in
+    them share one compiled kernel; `aligned` (attention_layout) chooses the GPU's loads at build time, so a kernel
+    holds one load path."""
     BH, BN = config["block_h"], config["block_n"]
     kv_fmt, swa_fmt = FORMATS[problem.kv_format], FORMATS[problem.swa_format]
     operand = "bfloat16" if fl.on_gpu else "float32"  # the gemm tiles: bf16 values either way
@@ -87,7 +104,8 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
     # bounds per sequence (sizes of their own: without them the arguments are one-element placeholders)
     NS, NP, NQ, NL = (T.dynamic(name) for name in ("sequences", "table_width", "position_count", "lower_count"))
     NW = T.dynamic("swa_index_rows")  # T, or 0 for the window by position
-    window_by_position = problem.window_by_position
+    NR = T.dynamic("window_rows")  # T with the shared window, else 1
+    window_by_position, shared = problem.window_by_position, shares_window(problem, config)
     kv_key_blocks = T.ceildiv(TOPK, BN)  # then ceil(W / BN) window blocks
     key_blocks = kv_key_blocks + T.ceildiv(W, BN)
 
@@ -95,8 +113,8 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         """An fp32 value as a gemm operand: bf16 on the GPU, rounded to bf16 in fp32 on the CPU."""
         return T.Cast("bfloat16", x) if fl.on_gpu else fl.round_bf16(x)
 
-    def q_operand(stored):
-        """A stored bf16 element of q as a gemm operand (exact)."""
+    def bf16_operand(stored):
+        """A stored bf16 element (of q, or of a decoded window row) as a gemm operand (exact)."""
         return stored if fl.on_gpu else fl.load_bf16(stored)
 
     @T.macro
@@ -123,7 +141,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
     def load_q(Q, t, h0, q_tile):
         """q_tile = the block's heads of token t (rows past H zero)."""
         fill_rows(q_tile, BH, 0, LATENT, BF16_PER_16_BYTES, Q.strides[:2], lambda h, d: T.if_then_else(
-            h0 + h < H, q_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
+            h0 + h < H, bf16_operand(Q[t, T.min(h0 + h, H - 1), d]), T.Cast(operand, 0)))
 
     def listed(Indices, t, first):
         """locate(Cache, n, page, row): where entry first + n of the index row Indices[t] is (page -1: none)."""
@@ -133,17 +151,16 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                                               Indices[t, T.min(first + n, Indices.shape[1] - 1)], -1), page, row, n)
         return locate
 
-    def by_position(Table, Positions, SeqIds, Lower, has_lower, t, first, key):
-        """locate(Cache, n, page, row) for window entry e = first + n of token t (reference.window_slots): key
-        position j = Positions[t] - W + 1 + e of sequence SeqIds[t], seen where e < W, j >= max(Lower[seq], 0) and
-        its page's table entry is a page of Cache (row[n] holds the clamped sequence id meanwhile, key[n] j); every
-        table read is clamped into the table."""
+    def by_table(Table, SeqIds, Lower, has_lower, token_of, position_of, entry_ok, key):
+        """locate(Cache, n, page, row) for entry n: key position j = position_of(n) of sequence SeqIds[token_of(n)],
+        seen where entry_ok(n), j >= max(Lower[seq], 0) (has_lower) and its page's table entry is a page of Cache
+        (row[n] holds the clamped sequence id meanwhile, key[n] j); every table read is clamped into the table."""
         @T.macro
         def locate(Cache, n, page, row):
-            row[n] = T.min(T.max(SeqIds[t], 0), Table.shape[0] - 1)
-            key[n] = Positions[t] - W + 1 + first + n
+            row[n] = T.min(T.max(SeqIds[token_of(n)], 0), Table.shape[0] - 1)
+            key[n] = position_of(n)
             page[n] = T.if_then_else(
-                (SeqIds[t] == row[n]) & (first + n < W) & (key[n] >= 0)
+                (SeqIds[token_of(n)] == row[n]) & entry_ok(n) & (key[n] >= 0)
                 & (key[n] >= T.if_then_else(has_lower != 0, Lower[T.min(row[n], Lower.shape[0] - 1)], 0))
                 & (key[n] // Cache.shape[1] < Table.shape[1]),
                 Table[row[n], T.min(T.max(key[n], 0) // Cache.shape[1], Table.shape[1] - 1)], -1)
@@ -151,12 +168,20 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             row[n] = T.if_then_else(page[n] >= 0, key[n] % Cache.shape[1], 0)
         return locate
 
+    def by_position(Table, Positions, SeqIds, Lower, has_lower, t, first, key):
+        """Window entry e = first + n of token t (reference.window_slots): key Positions[t] - W + 1 + e, e < W."""
+        return by_table(Table, SeqIds, Lower, has_lower, lambda n: t, lambda n: Positions[t] - W + 1 + first + n,
+                        lambda n: first + n < W, key)
+
+    def own_records(Table, Positions, SeqIds, t0, key):
+        """Entry n: token t0 + n's own window record (its position, no lower bound; none past the tokens)."""
+        token_of = lambda n: T.min(t0 + n, Positions.shape[0] - 1)  # noqa: E731
+        return by_table(Table, SeqIds, SeqIds, 0, token_of, lambda n: Positions[token_of(n)],
+                        lambda n: t0 + n < Positions.shape[0], key)
+
     @T.macro
-    def load_keys(Cache, locate, fmt, page, row, rec, k_tile):
-        """A key block: page and row of each of its BN entries (`locate`; page -1: none), the records gathered,
-        dequantized once into k_tile (zero rows for none)."""
-        for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
-            locate(Cache, n, page, row)
+    def decode_keys(Cache, fmt, page, row, rec, k_tile):
+        """The located key block's records gathered and dequantized once into k_tile (zero rows for none)."""
         for c0, width in ((0, fmt.code_bytes), (fmt.code_bytes, fmt.bytes - fmt.code_bytes)):  # codes, then scales
             fill_rows(rec, BN, c0, width, 16, Cache.strides[:1], lambda n, b: T.if_then_else(
                 page[n] >= 0, Cache[T.Cast("int64", page[n]), row[n], b], T.uint8(0)))
@@ -169,6 +194,37 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                                                            scale2))
             for e in T.vectorized(fmt.group):
                 k_tile[n, g * fmt.group + e] = values[e]
+
+    @T.macro
+    def load_keys(Cache, locate, fmt, page, row, rec, k_tile):
+        """A key block: page and row of each of its BN entries (`locate`; page -1: none), the records gathered,
+        dequantized once into k_tile (zero rows for none)."""
+        for n in fl.parallel(BN):  # (sizes spelled out, never bound to a local name: that renames their variable)
+            locate(Cache, n, page, row)
+        decode_keys(Cache, fmt, page, row, rec, k_tile)
+
+    @T.macro
+    def find_decoded_end(Swa, SwaTable, Positions, SeqIds, Lower, has_lower, t, block, first, page, row, key,
+                         decoded_end):
+        """The shared window: decoded_end[0] = block + 1 where window entries first .. of token t hold a key that no
+        token of the call holds as its own (token t - W + 1 + e, the same sequence, that position); called over the
+        blocks in order, it leaves the end of the blocks to decode."""
+        for n in fl.parallel(BN):
+            by_position(SwaTable, Positions, SeqIds, Lower, has_lower, t, first, key)(Swa, n, page, row)
+        for n in fl.parallel(BN):
+            if (page[n] >= 0) & _not_held(Positions, SeqIds, t, t - W + 1 + first + n, key[n]):
+                decoded_end[0] = block + 1
+
+    @T.macro
+    def load_window_rows(Swa, SwaTable, Positions, SeqIds, Lower, has_lower, Rows, t, first, page, row, key, k_tile):
+        """The shared window's key block of token t (entries first .., every key held by a token of the call): read
+        from those tokens' decoded Rows (16-byte loads; zero rows for none)."""
+        for n in fl.parallel(BN):
+            by_position(SwaTable, Positions, SeqIds, Lower, has_lower, t, first, key)(Swa, n, page, row)
+        for n in fl.parallel(BN):
+            key[n] = T.min(T.max(t - W + 1 + first + n, 0), Rows.shape[0] - 1)  # the row to read
+        fill_rows(k_tile, BN, 0, LATENT, BF16_PER_16_BYTES, (), lambda n, d: T.if_then_else(
+            page[n] >= 0, bf16_operand(Rows[key[n], d]), T.Cast(operand, 0)))
 
     @T.macro
     def attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha):
@@ -204,6 +260,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         Positions: T.Tensor((NQ,), "int32"),
         SeqIds: T.Tensor((NQ,), "int32"),
         Lower: T.Tensor((NL,), "int32"),
+        Rows: T.Tensor((NR, LATENT), fl.bf16),  # the shared window's decoded rows: [T, 512], else [1, 512]
         Sink: T.Tensor((H,), "float32"),
         Out: T.Tensor((NT, H, LATENT), fl.bf16),
         Lse: T.Tensor((NT, H), "float32"),
@@ -223,6 +280,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             page = fl.shared((BN,), "int32")
             row = fl.shared((BN,), "int32")
             key = fl.shared((BN,), "int32")  # the window by position's key positions
+            found_end = fl.shared((1,), "int32")  # the shared window: the window blocks to decode end here
             acc = fl.fragment((BH, LATENT), "float32")
             s = fl.fragment((BH, BN), "float32")
             m = fl.fragment((BH,), "float32")
@@ -244,15 +302,32 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             for i in T.serial(T.max(T.min(first + blocks_per_split, kv_key_blocks) - first, 0)):
                 load_keys(KV, listed(Indices, t, (first + i) * BN), kv_fmt, page, row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
-            for i in T.serial(T.max(T.min(first + blocks_per_split, key_blocks) - T.max(first, kv_key_blocks), 0)):
+            # the window's blocks [window_first, window_end): with the shared window, those after the last one with a
+            # key no token of the call holds (found first, so that each loop holds one path) come from Rows
+            window_first, window_end = T.max(first, kv_key_blocks), T.min(first + blocks_per_split, key_blocks)
+            decode_end = window_end
+            if shared:
+                decode_end = T.alloc_var("int32", window_end)  # a scalar: a shared value bounds no GPU loop
+                found_end[0] = window_first
+                for i in T.serial(T.max(window_end - window_first, 0)):
+                    find_decoded_end(Swa, SwaTable, Positions, SeqIds, Lower, has_lower, t, window_first + i,
+                                     (window_first + i - kv_key_blocks) * BN, page, row, key, found_end)
+                decode_end = found_end[0]
+            for i in T.serial(T.max(decode_end - window_first, 0)):
                 if window_by_position:
                     load_keys(Swa, by_position(SwaTable, Positions, SeqIds, Lower, has_lower, t,
-                                               (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN, key),
+                                               (window_first + i - kv_key_blocks) * BN, key),
                               swa_fmt, page, row, rec, k_tile)
                 else:
-                    load_keys(Swa, listed(SwaIndices, t, (T.max(first, kv_key_blocks) + i - kv_key_blocks) * BN),
+                    load_keys(Swa, listed(SwaIndices, t, (window_first + i - kv_key_blocks) * BN),
                               swa_fmt, page, row, rec, k_tile)
                 attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum, alpha)
+            if shared:
+                for i in T.serial(T.max(window_end - decode_end, 0)):
+                    load_window_rows(Swa, SwaTable, Positions, SeqIds, Lower, has_lower, Rows, t,
+                                     (decode_end + i - kv_key_blocks) * BN, page, row, key, k_tile)
+                    attend_keys(q_tile, k_tile, page, scale, s, p_tile, acc, m, l, m_new, block_max, block_sum,
+                                alpha)
 
             if SP == 1:  # out = acc f / d, lse = shift + log d (block_max: the shift; alpha: f / d)
                 for h in fl.parallel(BH):
@@ -280,7 +355,28 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
                         PartialML[split, t, h0 + h, 0] = m[h]
                         PartialML[split, t, h0 + h, 1] = l[h]
 
-    return sparse_attend
+    @T.prim_func
+    def window_rows(
+        Swa: _cache_tensor(swa_fmt, SB, SBS, SPS),
+        SwaTable: row_strided((NS, NP), "int32", "swa_block_table"),
+        Positions: T.Tensor((NT,), "int32"),
+        SeqIds: T.Tensor((NT,), "int32"),
+        Rows: T.Tensor((NT, LATENT), fl.bf16),
+    ):
+        """Stage 0 with the shared window: Rows[t] = token t's own window record decoded (zeros where none)."""
+        with T.Kernel(T.ceildiv(NT, BN), threads=config["threads"]) as block:
+            k_tile = fl.shared((BN, LATENT), operand)
+            rec = fl.shared((BN, swa_fmt.bytes), "uint8")
+            page = fl.shared((BN,), "int32")
+            row = fl.shared((BN,), "int32")
+            key = fl.shared((BN,), "int32")
+            load_keys(Swa, own_records(SwaTable, Positions, SeqIds, block * BN, key), swa_fmt, page, row, rec,
+                      k_tile)
+            for n, d in fl.parallel(BN, LATENT):
+                if block * BN + n < NT:
+                    Rows[block * BN + n, d] = k_tile[n, d] if fl.on_gpu else fl.store_bf16(k_tile[n, d])
+
+    return (window_rows, sparse_attend) if shared else sparse_attend
 
 
 def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
@@ -341,8 +437,10 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
 
 
 def attention_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned: bool):
-    """(attend, combine): the combine runs only when the split plan has more than one split."""
-    return attend_program(problem, config, fl, aligned), combine_program(problem, config, fl)
+    """([window rows,] attend, combine): the window rows with the shared window; the combine runs only when the
+    split plan has more than one split."""
+    attend = attend_program(problem, config, fl, aligned)
+    return (*(attend if isinstance(attend, tuple) else (attend,)), combine_program(problem, config, fl))
 
 
 def attention_layout(inputs: dict) -> bool:
@@ -368,7 +466,7 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     if swa_indices is None:  # its width is the window's (0 without one); no rows: never read
         swa_indices = torch.empty((0, problem.window), dtype=torch.int32, device=device)
     none = torch.empty((1, 1), dtype=torch.int32, device=device)  # an int32 argument the kernel never reads
-    table, positions, seq_ids, lower = (inputs.get(name) for name in WINDOW_BY_POSITION_ARGS)
+    table, positions, seq_ids, lower = (inputs.get(name) for name in WINDOW_BY_POSITION if name != "window")
     if not problem.window_by_position:
         table, positions, seq_ids = none, none[0], none[0]
     has_lower = int(lower is not None)
@@ -380,11 +478,13 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     partial_ml = torch.empty((plan.splits, partial_tokens, H, 2), dtype=torch.float32, device=device)
     out_bf16 = fl.bf16_arg(out.out)
     q, kv = inputs["q"], cache_arg(inputs["kv_cache"])
-    attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, table, positions, seq_ids, lower, sink,
+    shared = shares_window(problem, config)
+    rows = fl.bf16_arg(torch.empty((tokens if shared else 1, LATENT), dtype=torch.bfloat16, device=device))
+    attend = [fl.bf16_arg(q), kv, inputs["indices"], swa, swa_indices, table, positions, seq_ids, lower, rows, sink,
               out_bf16, out.lse, partial_o, partial_ml, scale, plan.blocks_per_split, int(problem.sink), has_lower]
-    if plan.splits == 1:
-        return attend, None
-    return attend, [partial_o, partial_ml, sink, out_bf16, out.lse, int(problem.sink)]
+    stages = ([swa, table, positions, seq_ids, rows],) if shared else ()
+    return *stages, attend, (None if plan.splits == 1 else [partial_o, partial_ml, sink, out_bf16, out.lse,
+                                                            int(problem.sink)])
 
 
 # ---------------------------------------------------------------- tuning space
@@ -398,8 +498,9 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
 # their space after the keys), within the 227 KiB a CTA may take, so it is not modelled.
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "max_splits": (1, 2, 4, 8, 16, 32),
-            "threads": (128, 256), "combine_heads": (4, 8, 16)},
+            "threads": (128, 256), "combine_heads": (4, 8, 16), "shared_window": (0, 1)},
     gpu_only=("threads",),
+    constraints={"shared_window only by position": lambda p, c: p.window_by_position or not c["shared_window"]},
     limits={"block_h x 512 / threads <= 128 (registers: the fp32 output accumulator)":
             lambda p, c: c["block_h"] * LATENT // c["threads"] <= 128,
             "warps <= (block_h / 16) x (block_n / 8) (MMA pieces of the scores)":
@@ -412,8 +513,9 @@ def attention_default(problem: AttentionProblem) -> dict:
     once tokens x ceil(H / 64) >= 32, splitting the keys up to one wave below 132. Fewer tokens (decode): 16 heads
     a tile and up to 16 splits, so that more CTAs share the keys and the partials stay small. The performance
     model, 64 heads, with the combine: T = 1 / 8 (16-head tiles) 3.0 / 4.9 us, T = 64 (64-head tiles) 16.5 us;
-    T = 4096: 616 us (32 keys a block: 875 us before the MXFP8 pairs)."""
-    combine = {"combine_heads": combine_heads_for(problem)}
+    T = 4096: 616 us (32 keys a block: 875 us before the MXFP8 pairs). Not the shared window: the model cannot
+    count it yet (docs/operators.md 8.4); benchmarks/designs.py times it on a GPU."""
+    combine = {"combine_heads": combine_heads_for(problem), "shared_window": 0}
     if problem.tokens * -(-problem.heads // 64) < 32:
         return {"block_h": 16, "block_n": 64, "max_splits": 16, "threads": 128, **combine}
     block_h = next(b for b in (16, 32, 64) if b >= min(problem.heads, 64))
