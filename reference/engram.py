@@ -1,0 +1,188 @@
+"""Engram, hashed n-gram memory (docs/operators.md section 9): the reference, in plain PyTorch.
+
+An Engram layer looks up, per token, one table row per (n-gram order n, hash head j): orders 2 .. max_ngram,
+`heads` heads each (V4.1-Flash: orders 2, 3, 4 x 8 heads = 24 rows), and gates them into the hidden streams.
+
+  hash   cid = token_map[token]  (a normalized vocabulary of V' compressed ids; `pad_id` before a sequence's start)
+         mult[k] = 2 * default_rng(10007 * layer).integers(0, (INT64_MAX // V') // 2, size=max_ngram)[k] + 1
+         h_n(t) = XOR_{k < n} cid[t - k] * mult[k]             int64 (each product < INT64_MAX: mult's bound)
+         row(t, n, j) = h_n(t) mod prime[n, j] + offset[n, j]    mod: the non-negative remainder
+         primes: distinct, ascending from vocab_size - 1, taken by (layer, order, head) in that order over the
+         model's Engram layers; offsets: each layer's tables laid end to end (rows = the sum of its primes).
+  lookup table [rows, 264] uint8: 256 e4m3 codes, then 8 ue8m0 scales (one per 32 values);
+         value[i] = e4m3(code[i]) * 2^(scale[i // 32] - 127), as bf16 (exact); a row id outside the table: zeros.
+  gate   per stream s (hc of them): dot = <rms(h_s) * q_w, rms(k_s) * k_w> / sqrt(D), rms(x) = x / sqrt(mean(x^2) +
+         eps); g = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))); out_s = bf16(h_s + g * v)  (v: one value shared
+         by the streams). fp32 inside, bf16 in and out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flashkern.reference.formats import e4m3_decode, ue8m0_decode
+
+ROW_VALUES = 256  # values a table row holds (the model's head dim)
+SCALE_BLOCK = 32  # values per ue8m0 scale
+ROW_BYTES = ROW_VALUES + ROW_VALUES // SCALE_BLOCK  # 264
+DOT_FLOOR = 1e-6  # |dot| is clamped to this before the square root
+INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """The model config's Engram fields (V4.1-Flash's by default)."""
+
+    layer_ids: tuple[int, ...] = (1, 14)
+    max_ngram: int = 4
+    heads: int = 8
+    vocab_size: int = 16_000_000  # the prime search starts here
+    compressed_vocab: int = 99_092  # V': the compressed ids' count
+    pad_id: int = 2  # the compressed id hashed before a sequence's start
+
+    @property
+    def orders(self) -> int:
+        return self.max_ngram - 1
+
+
+@dataclass(frozen=True)
+class EngramParams:
+    """One Engram layer's hash: token_map int64 [vocabulary] (token id -> compressed id), multipliers int64
+    [max_ngram], primes and offsets int64 [orders, heads] (order n = 2 + index), the pad id and the table's rows."""
+
+    layer: int
+    token_map: torch.Tensor
+    multipliers: torch.Tensor
+    primes: torch.Tensor
+    offsets: torch.Tensor
+    pad_id: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.primes.sum())
+
+    @property
+    def max_ngram(self) -> int:
+        return self.multipliers.numel()
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (these bases suffice)."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    if any(n % b == 0 for b in bases):
+        return False
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def layer_primes(config: EngramConfig) -> dict[int, list[list[int]]]:
+    """Every Engram layer's primes [orders][heads]: distinct, ascending from vocab_size - 1, in (layer, order, head)
+    order."""
+    found, candidate = {}, config.vocab_size - 1
+    for layer in config.layer_ids:
+        found[layer] = []
+        for _ in range(config.orders):
+            heads = []
+            for _ in range(config.heads):
+                candidate += 1
+                while not is_prime(candidate):
+                    candidate += 1
+                heads.append(candidate)
+            found[layer].append(heads)
+    return found
+
+
+def multipliers(layer: int, config: EngramConfig) -> torch.Tensor:
+    """The layer's odd multipliers [max_ngram] (numpy's default_rng, PCG64: a stream numpy keeps fixed)."""
+    bound = max(1, (INT64_MAX // config.compressed_vocab) // 2)
+    drawn = np.random.default_rng(10007 * layer).integers(0, bound, size=(config.max_ngram,), dtype=np.int64)
+    return torch.from_numpy(drawn * 2 + 1)
+
+
+def engram_params(layer: int, token_map: torch.Tensor, config: EngramConfig = EngramConfig()) -> EngramParams:
+    """The hash of Engram layer `layer` (one of config.layer_ids) for a token map (token id -> compressed id,
+    each below config.compressed_vocab: `synthetic_token_map` for tests)."""
+    if layer not in config.layer_ids:
+        raise ValueError(f"layer {layer} is not an Engram layer of the config ({config.layer_ids})")
+    primes = torch.tensor(layer_primes(config)[layer], dtype=torch.int64)
+    offsets = (primes.flatten().cumsum(0) - primes.flatten()).view_as(primes)
+    return EngramParams(layer, token_map.to(torch.int64), multipliers(layer, config), primes, offsets,
+                        config.pad_id)
+
+
+def synthetic_token_map(vocabulary: int, compressed_vocab: int, seed: int = 0) -> torch.Tensor:
+    """A stand-in for the normalized vocabulary: every compressed id used, the rest of the tokens folded onto them
+    at random (the real map normalizes the tokenizer's strings: NFKC, accents stripped, lowercased)."""
+    gen = torch.Generator().manual_seed(seed)
+    folded = torch.randint(0, compressed_vocab, (vocabulary,), generator=gen)
+    folded[torch.randperm(vocabulary, generator=gen)[:compressed_vocab]] = torch.arange(compressed_vocab)
+    return folded
+
+
+def engram_hash(token_ids: torch.Tensor, seq_ids: torch.Tensor, params: EngramParams,
+                history: torch.Tensor | None = None) -> torch.Tensor:
+    """Row ids int64 [T, orders * heads] (order-major: order 2's heads first) of the tokens `token_ids` [T], whose
+    sequences are `seq_ids` [T] (a sequence's tokens in order; sequences may interleave). history int64 [S,
+    max_ngram - 1] or None: each sequence's last token ids before this call, oldest first (-1: none, the sequence
+    starts there); where there is none, the pad id."""
+    lookback = params.max_ngram - 1
+    cid = params.token_map[token_ids.long()]
+    rows = torch.empty(token_ids.shape[0], params.primes.numel(), dtype=torch.int64)
+    for seq in seq_ids.unique().tolist():
+        at = (seq_ids == seq).nonzero().flatten()
+        before = torch.full((lookback,), params.pad_id, dtype=torch.int64)
+        if history is not None:
+            kept = history[seq].long()
+            before = torch.where(kept >= 0, params.token_map[kept.clamp(min=0)], before)
+        ids = torch.cat((before, cid[at]))  # ids[lookback + i]: the sequence's token i in this call
+        h = torch.zeros(at.numel(), dtype=torch.int64)
+        hashes = []
+        for k in range(params.max_ngram):  # h_n = h_{n-1} XOR cid[t - k] * mult[k]
+            h = h ^ (ids[lookback - k: lookback - k + at.numel()] * params.multipliers[k])
+            if k >= 1:
+                hashes.append(h)
+        rows[at] = torch.cat([torch.remainder(h[:, None], params.primes[n]) + params.offsets[n]
+                              for n, h in enumerate(hashes)], dim=1)
+    return rows
+
+
+def engram_lookup(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """bf16 [*rows.shape, 256]: the table rows dequantized; row ids outside [0, table rows) give zeros."""
+    inside = (rows >= 0) & (rows < table.shape[0])
+    records = table[torch.where(inside, rows, 0).long()]
+    codes, scales = records[..., :ROW_VALUES], records[..., ROW_VALUES:]
+    values = e4m3_decode(codes).view(*codes.shape[:-1], -1, SCALE_BLOCK) * ue8m0_decode(scales)[..., None]
+    return torch.where(inside[..., None], values.flatten(-2), 0.0).to(torch.bfloat16)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def engram_gate(h: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """bf16 [T, hc, D]: h [T, hc, D] the streams, k [T, hc, D] a key per stream, v [T, D] the shared value, q_w and
+    k_w [D] the norms' weights (module docstring)."""
+    h32, k32 = h.float(), k.float()
+    dot = (rms(h32, eps) * q_w.float() * rms(k32, eps) * k_w.float()).sum(dim=-1) / h.shape[-1] ** 0.5
+    gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=DOT_FLOOR).sqrt())
+    return (h32 + gate[..., None] * v.float()[:, None, :]).to(torch.bfloat16)
