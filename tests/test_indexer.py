@@ -13,12 +13,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import flashkern.ops
 from flashkern.kernels._tilelang import GPU, build_sm90, nvcc_path
-from flashkern.kernels.indexer import tilelang_logits
+from flashkern.kernels.indexer import tilelang_logits, triton_topk
 from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
@@ -761,3 +763,32 @@ def test_scoring_relu_keeps_nan_on_the_gpu():
     sources = [lower_sm90(func)[0] for func in impl.kernel.programs(problem, impl.default_config(problem), GPU,
                                                                       impl.kernel.layout_of(inputs))]
     assert any("fk_relu_keeping_nan(" in source.split("extern \"C\"")[-1] for source in sources)
+
+
+# ---------------------------------------------------------------- the radix select's Triton primitives
+
+
+@triton.jit
+def _radix_primitives(keys_ptr, counted_ptr, histogram_ptr, suffix_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    bins = tl.arange(0, BLOCK_M)[:, None] * 256 + tl.arange(0, 256)[None, :]
+    histogram = triton_topk._digit_histogram(tl.load(keys_ptr + at), tl.load(counted_ptr + at) != 0,
+                                             tl.zeros((BLOCK_M,), tl.int32), 24, False, BLOCK_M, BLOCK_N)
+    tl.store(histogram_ptr + bins, histogram)
+    tl.store(suffix_ptr + bins, triton_topk.suffix_sum(histogram, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_radix_selects_histogram_and_suffix_sums(rows):
+    """The top-k's per-row first-digit histogram (masked, rows x 256 bins in one tl.histogram) and its suffix sums,
+    against torch, wherever the suite runs (the GPU's top-k failed where the interpreter's did not:
+    docs/gpu.md, "First run")."""
+    gen = torch.Generator().manual_seed(rows)
+    keys = torch.randint(-(2**31), 2**31 - 1, (rows, 128), generator=gen, dtype=torch.int64).int()
+    counted = torch.rand(rows, 128, generator=gen) < 0.7
+    histogram, suffix = (torch.empty(rows, 256, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    _radix_primitives[(1,)](keys.to(DEVICE), counted.int().to(DEVICE), histogram, suffix, BLOCK_M=rows, BLOCK_N=128)
+    digit = ((keys ^ -(2**31)) >> 24) & 0xFF
+    expected = torch.zeros(rows, 256, dtype=torch.int32).scatter_add_(1, digit.long(), counted.int())
+    assert torch.equal(histogram.cpu(), expected)
+    assert torch.equal(suffix.cpu(), expected.flip(1).cumsum(1).flip(1).int())
