@@ -138,10 +138,10 @@ def _lowest_key_of_digit(digit):
 
 @triton.jit
 def suffix_sum(x, axis: tl.constexpr):
-    """x's sums from each entry to the end of `axis` (integers: exact). Not tl.cumsum(reverse=True): on sm_90
-    (Triton 3.6, H200) the reverse scan gave wrong counts (triton-lang/triton#4362, #8412), which the
-    interpreter never shows."""
-    return tl.sum(x, axis, keep_dims=True) - tl.cumsum(x, axis) + x
+    """x's sums from each entry to the end of `axis`. A suspect of the first H200 run's wrong top-k rows (reverse
+    scans: triton-lang/triton#4362, #8412); a total minus a forward scan spilled the fused sparse select (520 to
+    1388 B), so the scan stays until a GPU run decides (tests/test_indexer.py checks it there; docs/gpu.md)."""
+    return tl.cumsum(x, axis, reverse=True)
 
 
 @triton.jit
