@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashkern.reference.formats import e4m3_decode, ue8m0_decode
+from flashkern.reference.formats import mxfp8_decode
 
 ROW_VALUES = 256  # values a table row holds (the model's head dim)
 SCALE_BLOCK = 32  # values per ue8m0 scale
@@ -169,9 +169,8 @@ def engram_lookup(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """bf16 [*rows.shape, 256]: the table rows dequantized; row ids outside [0, table rows) give zeros."""
     inside = (rows >= 0) & (rows < table.shape[0])
     records = table[torch.where(inside, rows, 0).long()]
-    codes, scales = records[..., :ROW_VALUES], records[..., ROW_VALUES:]
-    values = e4m3_decode(codes).view(*codes.shape[:-1], -1, SCALE_BLOCK) * ue8m0_decode(scales)[..., None]
-    return torch.where(inside[..., None], values.flatten(-2), 0.0).to(torch.bfloat16)
+    values = mxfp8_decode(records[..., :ROW_VALUES], records[..., ROW_VALUES:], SCALE_BLOCK)
+    return torch.where(inside[..., None], values, 0.0).to(torch.bfloat16)
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -68,6 +68,13 @@ def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(e == UE8M0_NAN, torch.nan, value)
 
 
+def mxfp8_decode(codes: torch.Tensor, scale_bytes: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """fp32 values of MXFP8 blocks: e4m3 codes [..., n] times 2^(e - 127) of their block's ue8m0 byte [..., n / group]
+    (exact; a 0xFF scale makes its block NaN)."""
+    values = e4m3_decode(codes.contiguous()).unflatten(-1, (-1, group))
+    return (values * ue8m0_decode(scale_bytes)[..., None]).flatten(-2)
+
+
 def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:
     """The ue8m0 byte of 2^ceil(log2(x)) for fp32 x >= 0, from x's bits: its exponent field, plus one if the mantissa
     is nonzero (DeepGEMM's ceil_to_ue8m0), at most 254 (inf gives 254); as int32."""

@@ -51,7 +51,8 @@ from typing import NamedTuple
 import torch
 
 from flashkern.reference.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, UE8M0_NAN, e2m1_decode, e2m1_encode,
-                                         e4m3_decode, e4m3_encode, ue8m0_ceil, ue8m0_decode)
+                                         e4m3_decode, e4m3_encode, mxfp8_decode, ue8m0_ceil,
+                                         ue8m0_decode)
 
 LATENT = 512  # values per record
 WINDOW = 128  # keys of the sliding window (positions p - 127 .. p)
@@ -114,12 +115,10 @@ def dequantize_kv(records: torch.Tensor, format: str = "fp4") -> torch.Tensor:
     """records [N, bytes] uint8 -> fp32 [N, 512] (module docstring)."""
     fmt = FORMATS[format]
     codes, scale_bytes = records[..., : fmt.code_bytes], records[..., fmt.code_bytes:]
-    if format == "fp4":
-        values = e2m1_decode(torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2))
-        scales = e4m3_decode(scale_bytes.contiguous())
-    else:
-        values = e4m3_decode(codes.contiguous())
-        scales = ue8m0_decode(scale_bytes)
+    if format == "mxfp8":
+        return mxfp8_decode(codes, scale_bytes, fmt.group)
+    values = e2m1_decode(torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2))
+    scales = e4m3_decode(scale_bytes.contiguous())
     return (values.unflatten(-1, (fmt.scales, fmt.group)) * scales[..., None]).flatten(-2)
 
 
