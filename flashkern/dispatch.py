@@ -37,14 +37,10 @@ from flashkern import checks, library
 from flashkern import device as devices
 from flashkern.autotune import store as stores
 from flashkern.autotune import table as tables
-from flashkern.registry import Implementation, Operator
+from flashkern.registry import Implementation, Operator, device_of
 
 AUTO_ORDER = {"cuda": ("triton", "tilelang"), "cpu": ()}
 _TABLES: dict[str, tables.Table] = {}  # device key -> dispatch table, built once per process
-
-
-def _device_of(inputs: dict) -> torch.device:
-    return next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
 
 
 def rule_choice(op: Operator, device_info) -> Implementation | None:
@@ -219,7 +215,7 @@ def plan(op: Operator, inputs: dict, backend: str, config: dict | None) -> Plan:
         return found
     given = dict(inputs)  # the plan is keyed by the arguments as given, before op.prepare
     problem = op.check(inputs)
-    device = _device_of(inputs)
+    device = device_of(inputs)
     views = any(inputs[name] is not value for name, value in given.items())  # what op.prepare did to them
     made = Plan(problem, *resolve(op, problem, devices.info(device), backend, config), device,
                 op.prepare if views else None)

@@ -19,12 +19,13 @@ Per implementation, config and shape, for each kernel launch (stage):
            CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
            (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
            instructions over the busy sub-partitions, and no less than the heaviest CTA's on one SM); latency
-           (dependent global phases per CTA x a round trip, per wave). Then a launch: LAUNCH_SECONDS from the
-           host, GRAPH_LAUNCH_SECONDS in a CUDA graph. The operator's flops go to its stage with tensor-core instructions (else to the stage that
-           moves the most bytes).
-The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math), with no launch; the roofline
-fraction is roof / predicted kernel time (launch excluded, reported beside it), so a decode-size kernel is judged
-by its own work.
+           (dependent global phases per CTA x a round trip, per wave); host link (Cost.host_bytes, a table in
+           pinned host memory, at HOST_LINK_EFFICIENCY of the link's rate, plus one round trip over it). Then a
+           launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a CUDA graph. The operator's flops go to
+           its stage with tensor-core instructions (else to the stage that moves the most bytes).
+The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math, Cost.host_bytes / host link rate),
+with no launch; the roofline fraction is roof / predicted kernel time (launch excluded, reported beside it), so a
+decode-size kernel is judged by its own work.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ MEMORY_EFFICIENCY = 0.8  # of HBM peak: what FlashMLA and DeepGEMM report for me
 MATH_EFFICIENCY = 0.7  # of dense tensor-core peak: DeepGEMM's FP8 GEMMs at large shapes
 LAUNCH_SECONDS = 3e-6  # per kernel launch, from the host's launch to the grid's first instruction (no CUDA graph)
 GRAPH_LAUNCH_SECONDS = 1.3e-6  # per kernel inside a CUDA graph on H100 (Hazy Research, "Look Ma, No Bubbles!", 2025)
+# Of a host link's rate that small random reads through UVA get: PCIe's packet headers (about 24 bytes a read
+# completion of at most 256) and rows that straddle 128-byte read segments; an estimate until a GPU measures it.
+HOST_LINK_EFFICIENCY = 0.7
+PCIE5_X16 = 64e9  # bytes per second each way (PCI-SIG: 32 GT/s x 16 lanes, 128b/130b)
+NVLINK_C2C = 450e9  # bytes per second each way, Grace to Hopper (NVIDIA GH200 datasheet: 900 GB/s both ways)
+HOST_ROUND_TRIP_S = 1.5e-6  # a GPU read of host memory over PCIe and back: about three HBM round trips
 
 
 # Chips and Cheese ("Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023) measured 5.5 TB/s of L2 hits on an
@@ -72,6 +79,7 @@ class Device:
     smem_reserved_per_cta: int = 1024  # the system's share of each CTA's shared memory (sm_80 and later)
     max_threads_per_sm: int = 2048
     max_ctas_per_sm: int = 32
+    host_link_bytes_per_s: float = PCIE5_X16  # the GPU's reads of pinned host memory, each way
     sources: str = ""
 
     @property
@@ -86,10 +94,10 @@ _HOPPER_SOURCES = ("L2 hits 27.5 B/clk/SM (6.6 TB/s on 132 SMs at 1.83 GHz): Chi
                    "barrier; clock 1.83 GHz: the dense BF16 peak's; issue rates: kernels/sass.py")
 
 
-def _hopper(name: str, hbm: float, sources: str) -> Device:
+def _hopper(name: str, hbm: float, sources: str, host_link: float = PCIE5_X16) -> Device:
     return Device(name, sms=132, hbm_bytes_per_s=hbm, l2_bytes=50 * 2**20, sources=f"{sources}; {_HOPPER_SOURCES}",
                   peak_flops={"fp8": 1979e12, "int8": 1979e12, "bf16": 989e12, "fp16": 989e12, "tf32": 494e12,
-                              "fp32": 67e12})
+                              "fp32": 67e12}, host_link_bytes_per_s=host_link)
 
 
 DEVICES = {
@@ -97,6 +105,8 @@ DEVICES = {
                     "the sparse figures; 4096 FLOP/clk/SM x 1.83 GHz x 132 for BF16); HBM3e 4.8 TB/s: NVIDIA H200 "
                     "datasheet; L2 50 MB: the H100 SXM figure (none published for H200); SM limits: CUDA C++ "
                     "Programming Guide, compute capability 9.0"),
+    "gh200": _hopper("GH200 (H200 on Grace)", 4.9e12, "the H200's chip with 144 GB HBM3e at 4.9 TB/s and NVLink-C2C "
+                     "450 GB/s each way to the Grace CPU's memory (NVIDIA GH200 datasheet)", host_link=NVLINK_C2C),
     "h100": _hopper("H100 SXM", 3.35e12, "NVIDIA H100 datasheet (SXM5, dense); SM limits: CUDA C++ Programming Guide, "
                     "compute capability 9.0"),
     "b200": Device("B200", sms=148, hbm_bytes_per_s=8e12, l2_bytes=None, peak_flops={
@@ -177,7 +187,7 @@ class StagePrediction:
     fill: float  # fraction of the SMs' time the grid keeps busy
     math: str  # the arithmetic its flops are charged at
     flops: float
-    terms: dict  # seconds of each bound: "HBM", "L2", "tensor", "issue", "latency" (no launch)
+    terms: dict  # seconds of each bound: "HBM", "L2", "tensor", "issue", "latency", "host link" (no launch)
     issue: Issue | None
     issue_pipe: str = ""  # the pipe (or "dispatch") that binds the issue term
 
@@ -246,7 +256,8 @@ class Prediction:
         """The operator's own floor: its minimum bytes at HBM peak or its flops at the peak its inputs allow; no
         launch (reported beside it), so a small kernel is judged by what it does, not by the launch it waits on."""
         return max(self.cost.bytes / self.device.hbm_bytes_per_s,
-                   self.cost.flops / self.device.peak_flops[self.cost.math])
+                   self.cost.flops / self.device.peak_flops[self.cost.math],
+                   self.cost.host_bytes / self.device.host_link_bytes_per_s)
 
     @property
     def roofline_fraction(self) -> float:
@@ -332,6 +343,9 @@ def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device:
                 terms["issue"], pipe_name = _issue_seconds(issue, traffic.ctas, math.ceil(report.threads / 32),
                                                            fit.ctas_per_sm, device)
                 terms["latency"] = waves * issue.phases * device.global_round_trip_s
+            if cost.host_bytes and i == busiest:
+                terms["host link"] = (cost.host_bytes / (device.host_link_bytes_per_s * HOST_LINK_EFFICIENCY)
+                                      + HOST_ROUND_TRIP_S)
         predicted.append(StagePrediction(report, traffic, fit, waves, fill, arithmetic, flops, terms, issue,
                                          pipe_name))
     return Prediction(tuple(predicted), cost, device)

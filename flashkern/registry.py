@@ -35,6 +35,7 @@ FAMILIES = (
     "indexer",
     "mhc",
     "kv_cache",
+    "engram",
 )
 
 
@@ -76,11 +77,13 @@ class SizedProblem:
 class Cost:
     """Work per call: arithmetic operations, the bytes the operator must move (inputs + outputs once), and the
     fastest arithmetic its inputs allow (fp8, bf16 or tf32 tensor cores, or fp32: CUDA cores), which sets the
-    operator's compute roof in the performance model (flashkern.model)."""
+    operator's compute roof in the performance model (flashkern.model); host_bytes: those of the bytes that cross
+    the host link (PCIe, or NVLink-C2C) rather than come from the GPU's memory."""
 
     flops: float
     bytes: float
     math: str = "fp32"
+    host_bytes: float = 0.0  # of `bytes`, those read from host memory over the host link (a pinned table, UVA)
 
 
 @dataclass(frozen=True)
@@ -147,12 +150,19 @@ class Operator:
         return inputs[self.mutates] if self.mutates else returned
 
     def empty_outputs(self, problem, inputs: dict):
-        """Uninitialized outputs for one call, on the inputs' device."""
-        return self.outputs(problem, inputs, next(v.device for v in inputs.values() if isinstance(v, torch.Tensor)))
+        """Uninitialized outputs for one call, on the inputs' device (device_of)."""
+        return self.outputs(problem, inputs, device_of(inputs))
 
     @property
     def backends(self) -> tuple[str, ...]:
         return ("reference", *(impl.name for impl in self.implementations))
+
+
+def device_of(inputs: dict) -> torch.device:
+    """Where a call runs: its first GPU tensor's device, else its first tensor's. (A CPU tensor beside GPU ones can
+    only be one the operator's check lets a GPU kernel read: pinned host memory.)"""
+    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+    return next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
 
 
 @functools.cache

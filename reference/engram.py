@@ -3,7 +3,8 @@
 An Engram layer looks up, per token, one table row per (n-gram order n, hash head j): orders 2 .. max_ngram,
 `heads` heads each (V4.1-Flash: orders 2, 3, 4 x 8 heads = 24 rows), and gates them into the hidden streams.
 
-  hash   cid = token_map[token]  (a normalized vocabulary of V' compressed ids; `pad_id` before a sequence's start)
+  hash   cid = token_map[token]  (a normalized vocabulary of V' compressed ids; `pad_id` before a sequence's start
+         and for any id outside the map); a run of equal sequence ids is one sequence's tokens, in order
          mult[k] = 2 * default_rng(10007 * layer).integers(0, (INT64_MAX // V') // 2, size=max_ngram)[k] + 1
          h_n(t) = XOR_{k < n} cid[t - k] * mult[k]             int64 (each product < INT64_MAX: mult's bound)
          row(t, n, j) = h_n(t) mod prime[n, j] + offset[n, j]    mod: the non-negative remainder
@@ -67,6 +68,11 @@ class EngramParams:
     @property
     def max_ngram(self) -> int:
         return self.multipliers.numel()
+
+    def hash_inputs(self) -> dict:
+        """The hash's tables and pad id as engram_hash takes them (keyword arguments)."""
+        return dict(token_map=self.token_map, multipliers=self.multipliers, primes=self.primes, offsets=self.offsets,
+                    pad_id=self.pad_id)
 
 
 def is_prime(n: int) -> bool:
@@ -138,37 +144,54 @@ def synthetic_token_map(vocabulary: int, compressed_vocab: int, seed: int = 0) -
     return folded
 
 
-def engram_hash(token_ids: torch.Tensor, seq_ids: torch.Tensor, params: EngramParams,
+def compressed_ids(ids: torch.Tensor, token_map: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """token_map[ids] (int64); an id outside the map (-1, history's "none", included) gives the pad id."""
+    inside = (ids >= 0) & (ids < token_map.shape[0])
+    return torch.where(inside, token_map[ids.clamp(0, max(token_map.shape[0] - 1, 0))].long(), pad_id)
+
+
+def engram_hash(token_ids: torch.Tensor, seq_ids: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor,
+                primes: torch.Tensor, offsets: torch.Tensor, pad_id: int,
                 history: torch.Tensor | None = None) -> torch.Tensor:
-    """Row ids int64 [T, orders * heads] (order-major: order 2's heads first) of the tokens `token_ids` [T], whose
-    sequences are `seq_ids` [T] (a sequence's tokens in order; sequences may interleave). history int64 [S,
-    max_ngram - 1] or None: each sequence's last token ids before this call, oldest first (-1: none, the sequence
-    starts there); where there is none, the pad id."""
-    lookback = params.max_ngram - 1
-    cid = params.token_map[token_ids.long()]
-    rows = torch.empty(token_ids.shape[0], params.primes.numel(), dtype=torch.int64)
-    for seq in seq_ids.unique().tolist():
-        at = (seq_ids == seq).nonzero().flatten()
-        before = torch.full((lookback,), params.pad_id, dtype=torch.int64)
-        if history is not None:
-            kept = history[seq].long()
-            before = torch.where(kept >= 0, params.token_map[kept.clamp(min=0)], before)
-        ids = torch.cat((before, cid[at]))  # ids[lookback + i]: the sequence's token i in this call
-        h = torch.zeros(at.numel(), dtype=torch.int64)
-        hashes = []
-        for k in range(params.max_ngram):  # h_n = h_{n-1} XOR cid[t - k] * mult[k]
-            h = h ^ (ids[lookback - k: lookback - k + at.numel()] * params.multipliers[k])
-            if k >= 1:
-                hashes.append(h)
-        rows[at] = torch.cat([torch.remainder(h[:, None], params.primes[n]) + params.offsets[n]
-                              for n, h in enumerate(hashes)], dim=1)
-    return rows
+    """Row ids int64 [T, orders * heads] (order-major: order 2's heads first) of the tokens `token_ids` [T].
+
+    A run of equal `seq_ids` [T] is one sequence's next tokens in order (how an engine lays out a batch); a token's
+    lookback is the tokens before it in its run, then, before the run, its sequence's `history` row (int64 [S,
+    max_ngram - 1], that sequence's last token ids before this call, oldest first; -1: none, the sequence starts
+    there), then the pad id: where history is None or the sequence id is outside [0, S). So a chunked prefill and
+    its decode steps, each given the ids before it, hash as one call. Any token id outside [0, len(token_map))
+    hashes as the pad id. token_map, multipliers, primes and offsets: EngramParams.hash_inputs()."""
+    lookback = multipliers.numel() - 1
+    tokens = token_ids.shape[0]
+    cid = compressed_ids(token_ids.long(), token_map, pad_id)
+    seq = seq_ids.long()
+    depth = torch.zeros(tokens, dtype=torch.int64)  # earlier tokens of the run, up to the lookback
+    same = torch.ones(tokens, dtype=torch.bool)
+    for k in range(1, lookback + 1):
+        same[:k] = False
+        same[k:] &= seq[k:] == seq[:-k]
+        depth += same
+    known = history is not None and history.shape[0] > 0
+    in_history = (seq >= 0) & (seq < history.shape[0]) if known else torch.zeros(tokens, dtype=torch.bool)
+    h = cid * multipliers[0]
+    rows = []
+    for k in range(1, lookback + 1):  # h_n = h_{n-1} XOR cid[t - k] * mult[k], n = k + 1
+        in_call = cid[(torch.arange(tokens) - k).clamp(min=0)]
+        before = torch.full((tokens,), pad_id, dtype=torch.int64)
+        if known:
+            column = (lookback - k + depth).clamp(min=0)  # history's column for the k - depth-th id before the run
+            kept = history.long()[seq.clamp(0, history.shape[0] - 1), column.clamp(max=lookback - 1)]
+            before = torch.where(in_history, compressed_ids(kept, token_map, pad_id), pad_id)
+        h = h ^ (torch.where(depth >= k, in_call, before) * multipliers[k])
+        rows.append(torch.remainder(h[:, None], primes[k - 1]) + offsets[k - 1])
+    return torch.cat(rows, dim=1) if rows else torch.empty(tokens, 0, dtype=torch.int64)
 
 
 def engram_lookup(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """bf16 [*rows.shape, 256]: the table rows dequantized; row ids outside [0, table rows) give zeros."""
+    """bf16 [*rows.shape, 256] on the rows' device: the table rows dequantized; row ids outside [0, table rows) give
+    zeros. (The table may be in host memory while the rows are on a GPU.)"""
     inside = (rows >= 0) & (rows < table.shape[0])
-    records = table[torch.where(inside, rows, 0).long()]
+    records = table[torch.where(inside, rows, 0).long().to(table.device)].to(rows.device)
     values = mxfp8_decode(records[..., :ROW_VALUES], records[..., ROW_VALUES:], SCALE_BLOCK)
     return torch.where(inside[..., None], values, 0.0).to(torch.bfloat16)
 

@@ -1,12 +1,23 @@
-"""Engram's reference (reference/engram.py): the hash against the model's published constants and an independent
-per-token computation in Python integers, the lookup's dequantization, the gate against a float64 formula."""
+"""Engram: the reference (reference/engram.py) against the model's published constants, an independent per-token
+hash in Python integers, the lookup's dequantization and the gate in float64; then every implementation of
+engram_hash, engram_lookup and engram_gate against the reference on the operators' drawn cases
+(flashkern.kernels.engram.cases), sampled configs and the GPU's configs; the documented results of ids outside
+the token map, the history and the table (outside checked mode) and their refusal in checked mode; the host table
+(transparent huge pages), the multi-threaded CPU gather and prefetch with reused buffers."""
+
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, note
 from hypothesis import strategies as st
 
+import flashkern
+from _budget import fraction_of_examples
+from _device import DEVICE, on_device
+from flashkern import checks, registry
+from flashkern.kernels.engram import GateProblem, HashProblem, LookupProblem, host, make_table, model_params
 from flashkern.reference import engram as ref
 
 CONFIG = ref.EngramConfig()
@@ -43,15 +54,21 @@ def test_a_layer_outside_the_config_is_refused():
 
 
 def _expected_rows(token_ids, seq_ids, params, history):
-    """Per token, in Python integers: the previous tokens of its sequence in the call, then its history, then the
-    pad id; XOR of products, remainder, offset."""
+    """Per token, in Python integers: the tokens before it in its run of equal sequence ids, then its sequence's
+    history (where there is one), then the pad id; ids outside the map as the pad id; XOR of products, remainder,
+    offset."""
     token_map = params.token_map.tolist()
     mult = params.multipliers.tolist()
+    cid = lambda x: token_map[x] if 0 <= x < len(token_map) else params.pad_id  # noqa: E731
+    tokens, seqs = token_ids.tolist(), seq_ids.tolist()
     out = []
-    for t, (token, seq) in enumerate(zip(token_ids.tolist(), seq_ids.tolist())):
-        earlier = [token_map[x] for x, s in zip(token_ids[:t].tolist(), seq_ids[:t].tolist()) if s == seq]
-        before = [] if history is None else [token_map[x] for x in history[seq].tolist() if x >= 0]
-        ids = before + earlier + [token_map[token]]
+    for t in range(len(tokens)):
+        start = t
+        while start > 0 and seqs[start - 1] == seqs[t]:
+            start -= 1
+        known = history is not None and 0 <= seqs[t] < history.shape[0]
+        before = [cid(x) for x in history[seqs[t]].tolist()] if known else []  # -1, outside the map: the pad id
+        ids = before + [cid(x) for x in tokens[start: t + 1]]
         row, h = [], 0
         for k in range(params.max_ngram):
             h ^= (ids[-1 - k] if k < len(ids) else params.pad_id) * mult[k]
@@ -64,27 +81,30 @@ def _expected_rows(token_ids, seq_ids, params, history):
 
 @st.composite
 def hash_cases(draw):
-    """Up to 3 interleaved sequences of 0-12 tokens: ids drawn with the extremes (0, the largest, a token mapping to
-    the pad id), each sequence with a history (some of it missing) or none."""
+    """Runs of 0-12 tokens of up to 4 sequences (a sequence may come back in a later run, which continues from its
+    history again); ids drawn with the extremes (0, the largest, a token mapping to the pad id, ids outside the
+    map), each sequence with a history (some of it missing, some of it outside the map) or none; sequence ids
+    outside the history's rows."""
     token_map = ref.synthetic_token_map(VOCABULARY, SMALL.compressed_vocab, seed=draw(st.integers(0, 3)))
     pad_token = int((token_map == SMALL.pad_id).nonzero()[0])
-    token = st.one_of(st.integers(0, VOCABULARY - 1), st.sampled_from([0, VOCABULARY - 1, pad_token]))
-    lengths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=3))
-    order = draw(st.permutations([s for s, n in enumerate(lengths) for _ in range(n)]))
-    token_ids = torch.tensor(draw(st.lists(token, min_size=len(order), max_size=len(order))), dtype=torch.int64)
+    token = st.one_of(st.integers(0, VOCABULARY - 1), st.sampled_from([0, VOCABULARY - 1, pad_token]),
+                      st.sampled_from([-5, -1, VOCABULARY, 2**31 - 1]))
+    runs = draw(st.lists(st.tuples(st.integers(-1, 4), st.integers(0, 12)), min_size=1, max_size=4))
+    seq_ids = torch.tensor([s for s, n in runs for _ in range(n)], dtype=torch.int64)
+    token_ids = torch.tensor(draw(st.lists(token, min_size=len(seq_ids), max_size=len(seq_ids))), dtype=torch.int64)
     history = None
     if draw(st.booleans()):  # per sequence 0-3 known ids before the call, -1 before them (where it starts)
-        known = [draw(st.integers(0, 3)) for _ in lengths]
+        known = [draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 4)))]
         history = torch.tensor([[-1] * (3 - n) + draw(st.lists(token, min_size=n, max_size=n)) for n in known],
-                               dtype=torch.int64)
+                               dtype=torch.int64).view(-1, 3)
     params = ref.engram_params(draw(st.sampled_from(SMALL.layer_ids)), token_map, SMALL)
-    return token_ids, torch.tensor(order, dtype=torch.int64).view(-1), params, history
+    return token_ids, seq_ids, params, history
 
 
 @given(hash_cases())
 def test_hash_equals_a_per_token_computation(case):
     token_ids, seq_ids, params, history = case
-    rows = ref.engram_hash(token_ids, seq_ids, params, history)
+    rows = ref.engram_hash(token_ids, seq_ids, **params.hash_inputs(), history=history)
     assert torch.equal(rows, _expected_rows(token_ids, seq_ids, params, history))
     first = params.offsets.flatten()
     assert ((rows >= first) & (rows < first + params.primes.flatten())).all()  # each head inside its own table
@@ -94,14 +114,14 @@ def test_hashing_in_chunks_with_history_equals_one_call():
     """A prefill split into a chunk and decode steps, each given the last three ids before it: the same rows."""
     params = ref.engram_params(14, ref.synthetic_token_map(VOCABULARY, SMALL.compressed_vocab), SMALL)
     tokens = torch.randint(0, VOCABULARY, (11,), generator=torch.Generator().manual_seed(1))
-    whole = ref.engram_hash(tokens, torch.zeros(11, dtype=torch.int64), params)
+    whole = ref.engram_hash(tokens, torch.zeros(11, dtype=torch.int64), **params.hash_inputs())
     pieces, done = [], 0
     for size in (6, 1, 1, 3):
         history = torch.full((1, 3), -1, dtype=torch.int64)
         kept = tokens[max(done - 3, 0): done]
         history[0, 3 - kept.numel():] = kept
-        pieces.append(ref.engram_hash(tokens[done: done + size], torch.zeros(size, dtype=torch.int64), params,
-                                      history))
+        pieces.append(ref.engram_hash(tokens[done: done + size], torch.zeros(size, dtype=torch.int64),
+                                      **params.hash_inputs(), history=history))
         done += size
     assert torch.equal(torch.cat(pieces), whole)
 
@@ -166,3 +186,212 @@ def test_gate_clamps_the_dot_before_the_root():
     assert (gate[2] < 0.5).all() and abs(float(gate[1, 0]) - 0.5) <= 1.01e-3 / 4
     torch.testing.assert_close(ref.engram_gate(h, k, v, q_w, torch.ones(hidden), 1e-6).double(), expected,
                                rtol=2**-8, atol=0)
+
+
+# ---------------------------------------------------------------- the operators against the reference
+
+KERNELS = ("triton", "tilelang")
+OPS = {name: registry.get(name) for name in ("engram_hash", "engram_lookup", "engram_gate")}
+
+
+def run_and_check(op, inputs, backend, config=None):
+    expected = op.reference(**inputs)
+    actual = op.entry(**inputs, backend=backend, config=config)
+    op.compare(inputs, expected, actual)
+    return actual
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(OPS))
+@given(data=st.data())
+def test_matches_reference(name, backend, data):
+    run_and_check(OPS[name], data.draw(OPS[name].cases().map(on_device)), backend)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@fraction_of_examples(1 / 2)
+@given(data=st.data())
+def test_sampled_configs_match_reference(backend, data):
+    """Any config of each tuning space (the persistent lookups included), the operator drawn too."""
+    op = OPS[data.draw(st.sampled_from(sorted(OPS)))]
+    inputs = data.draw(op.cases().map(on_device))
+    config = data.draw(st.sampled_from(op.implementation(backend).space.configs(op.check(inputs), DEVICE.type)))
+    note(f"{op.name} config={config}")
+    run_and_check(op, inputs, backend, config)
+
+
+GPU_PROBLEMS = (HashProblem(300, history=True), HashProblem(1), LookupProblem(77), LookupProblem(1),
+                GateProblem(3, 7168), GateProblem(2, 1000))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=lambda p: p.key)
+def test_the_gpus_default_configs(backend, problem):
+    """The configs a GPU runs by default (persistent lookups over SM-count grids, D in chunks, tiles of tokens),
+    run here on the made inputs."""
+    op = next(op for op in OPS.values() if isinstance(problem, type(op.presets["smoke"][0])))
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(problem)
+    run_and_check(op, op.make_inputs(problem, DEVICE, seed=3), backend, config)
+
+
+def test_the_model_sizes_hash_equals_the_per_token_computation():
+    """The model's hash (primes from 16M, multipliers near 2^63 / V') on a batch with history, every backend."""
+    op = OPS["engram_hash"]
+    inputs = op.make_inputs(HashProblem(64, history=True), "cpu", seed=5)
+    params = model_params()
+    expected = _expected_rows(inputs["token_ids"], inputs["seq_ids"], params, inputs["history"])
+    for backend in ("reference", *KERNELS):
+        got = op.entry(**on_device(inputs), backend=backend).cpu()
+        assert torch.equal(got, expected), backend
+
+
+# ---------------------------------------------------------------- ids outside the map, the history and the table
+
+
+def _hostile_hash_inputs():
+    """Token ids outside the map (-5, V, the int32 and int64 extremes), history ids outside it, sequence ids outside
+    the history's rows (-1, S, int32 max), runs that come back."""
+    params = ref.engram_params(1, ref.synthetic_token_map(VOCABULARY, SMALL.compressed_vocab), SMALL)
+    tokens = [5, -5, VOCABULARY, 7, 2**31 - 1, -(2**31), 3, 9, 2**63 - 1, 4]
+    seqs = [0, 0, 0, -1, -1, 3, 3, 0, 2**31 - 1, 1]
+    history = torch.tensor([[-1, VOCABULARY, 4], [-7, 11, 2**62], [1, 2, 3]])
+    return dict(token_ids=torch.tensor(tokens), seq_ids=torch.tensor(seqs), **params.hash_inputs(), history=history)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_ids_outside_the_map_and_the_history_hash_as_documented(backend):
+    """Outside checked mode: an id outside the map hashes as the pad id, a sequence id outside the history's rows
+    has none; the kernels equal the reference, which equals the per-token computation of those rules."""
+    inputs = _hostile_hash_inputs()
+    expected = _expected_rows(inputs["token_ids"], inputs["seq_ids"], params_of(inputs), inputs["history"])
+    assert torch.equal(ref.engram_hash(**inputs), expected)
+    with checks.checked(False):
+        got = OPS["engram_hash"].entry(**on_device(inputs), backend=backend).cpu()
+    assert torch.equal(got, expected)
+
+
+def params_of(inputs):
+    return ref.EngramParams(1, inputs["token_map"], inputs["multipliers"], inputs["primes"], inputs["offsets"],
+                            inputs["pad_id"])
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_rows_outside_the_table_give_zeros_and_read_nothing(backend):
+    """Row ids -1, R, the int32 and int64 extremes: zeros; the table is cut from a buffer whose other bytes are NaN
+    codes with NaN scales, so a read outside it shows."""
+    gen = torch.Generator().manual_seed(4)
+    buffer = torch.full((60, 300), 0xFF, dtype=torch.uint8)
+    table = buffer[10:50, 20: 20 + ref.ROW_BYTES]
+    table.copy_(make_table(40, gen))
+    rows = torch.tensor([[0, 39, -1, 40], [2**31 - 1, -(2**31), 2**63 - 1, -(2**63)], [5, 41, 60, 39]])
+    expected = ref.engram_lookup(table, rows)
+    assert (expected[rows < 0] == 0).all() and (expected[rows >= 40] == 0).all()
+    with checks.checked(False):
+        for ids in (rows, rows.clamp(-(2**31), 2**31 - 1).int()):
+            got = OPS["engram_lookup"].entry(**on_device(dict(table=table, rows=ids)), backend=backend)
+            OPS["engram_lookup"].compare({}, ref.engram_lookup(table, ids), got)
+
+
+@pytest.mark.parametrize("name, argument, value, message", [
+    ("engram_hash", "token_ids", 300, r"token_ids\[1\] = 300 is out of range"),
+    ("engram_hash", "history", -2, r"history\[0, 0\] = -2 is out of range"),
+    ("engram_hash", "seq_ids", 7, r"seq_ids\[1\] = 7 is out of range"),
+    ("engram_lookup", "rows", -1, r"rows\[0, 1\] = -1 is out of range"),
+])
+def test_checked_mode_names_ids_outside_their_tensors(name, argument, value, message):
+    op = OPS[name]
+    if name == "engram_hash":
+        params = ref.engram_params(1, ref.synthetic_token_map(VOCABULARY, SMALL.compressed_vocab), SMALL)
+        inputs = dict(token_ids=torch.tensor([1, 2]), seq_ids=torch.tensor([0, 0]), **params.hash_inputs(),
+                      history=torch.zeros(1, 3, dtype=torch.int64))
+        inputs[argument] = inputs[argument].clone()
+        inputs[argument].view(-1)[1 if argument != "history" else 0] = value
+    else:
+        inputs = dict(table=make_table(10, torch.Generator()), rows=torch.tensor([[0, value]]))
+    for backend in KERNELS:
+        with checks.checked(True), pytest.raises(ValueError, match=message):
+            op.entry(**on_device(inputs), backend=backend)
+
+
+# ---------------------------------------------------------------- the host table, the CPU gather and prefetch
+
+
+def test_host_table_asks_for_huge_pages_and_says_what_it_got():
+    """madvise(MADV_HUGEPAGE) where the kernel allows it (its mode "always" or "madvise"): once written, huge pages
+    back the table; MADV_NOHUGEPAGE keeps them off; where the mode is "never" or absent, a warning says so."""
+    mode = host.transparent_huge_pages()
+    rows = (16 << 20) // ref.ROW_BYTES  # 16 MiB
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = host.HostTable(rows)
+    plain = host.HostTable(rows, huge_pages=False)
+    try:
+        for t in (table, plain):
+            t.tensor.fill_(1)
+            assert t.tensor.shape == (rows, ref.ROW_BYTES) and t.tensor.data_ptr() % host.HUGE_PAGE == 0
+        assert plain.huge_page_bytes() == 0 and plain.huge_pages_state.startswith("off")
+        if mode in ("always", "madvise"):
+            assert table.huge_pages_state == "asked (madvise)" and not caught
+            assert table.huge_page_bytes() >= 4 * host.HUGE_PAGE  # most of 16 MiB (the kernel may leave the ends)
+        else:
+            assert "no transparent huge pages" in str(caught[0].message)
+    finally:
+        table.close()
+        plain.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("backend", ("reference", "tilelang"))
+def test_the_threaded_cpu_gather_equals_the_reference(workers, backend):
+    table = host.HostTable(5000)
+    try:
+        make_table(5000, torch.Generator().manual_seed(1), out=table.tensor)
+        rows = torch.randint(0, 5000, (37, 24), generator=torch.Generator().manual_seed(2))
+        out = host.gather(table.tensor, rows, workers=workers, backend=backend)
+        OPS["engram_lookup"].compare({}, ref.engram_lookup(table.tensor, rows), out)
+    finally:
+        table.close()
+
+
+def test_prefetch_overlaps_compute_and_reuses_its_buffers():
+    """Three decode-like steps into the same out and rows buffers, each started before a stand-in compute step
+    and waited on after it: each step's values are its own tokens' (a later prefetch into the buffers waits for
+    the earlier one; a stale or mixed result fails)."""
+    params = model_params()
+    hash_inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in params.hash_inputs().items()}
+    table = make_table(4099, torch.Generator().manual_seed(6)).to(DEVICE)
+    out = torch.empty(9, 24, ref.ROW_VALUES, dtype=torch.bfloat16, device=DEVICE)
+    rows = torch.empty(9, 24, dtype=torch.int64, device=DEVICE)
+    real_hash = ref.engram_hash
+    gen = torch.Generator().manual_seed(7)
+    steps = [torch.randint(0, 129_280, (9,), generator=gen) for _ in range(3)]
+    seq_ids = torch.arange(9, device=DEVICE)
+    for backend in ("reference", "tilelang"):
+        for token_ids in steps:
+            token_ids = token_ids.to(DEVICE)
+            expected = ref.engram_lookup(table, real_hash(token_ids, seq_ids, **hash_inputs).cpu())
+            started = host.engram_prefetch(table, token_ids, seq_ids, hash_inputs, out, rows=rows, backend=backend)
+            torch.randn(256, 256) @ torch.randn(256, 256)  # the layers before Engram's
+            got = started.wait()
+            assert got is out
+            OPS["engram_lookup"].compare({}, expected.to(DEVICE), got)
+        again = [host.engram_prefetch(table, steps[i].to(DEVICE), seq_ids, hash_inputs, out, backend=backend)
+                 for i in range(3)]  # issued back to back: each waits for the one before
+        again[-1].wait()
+        expected = ref.engram_lookup(table, real_hash(steps[2].to(DEVICE), seq_ids, **hash_inputs).cpu())
+        OPS["engram_lookup"].compare({}, expected.to(DEVICE), out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads pinned host memory from a GPU kernel (UVA)")
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_pinned_host_table_is_read_by_the_gpu_kernels(backend):
+    table = host.HostTable(100_003, pin=True)
+    try:
+        make_table(100_003, torch.Generator().manual_seed(8), out=table.tensor)
+        rows = torch.randint(0, 100_003, (64, 24), generator=torch.Generator().manual_seed(9)).cuda()
+        got = OPS["engram_lookup"].entry(table.tensor, rows, backend=backend)
+        assert got.is_cuda and OPS["engram_lookup"].check(dict(table=table.tensor, rows=rows)).host
+        OPS["engram_lookup"].compare({}, ref.engram_lookup(table.tensor, rows), got)
+    finally:
+        table.close()

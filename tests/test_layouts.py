@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from _budget import fraction_of_examples
 from _device import DEVICE
 from flashkern import registry
+from flashkern.kernels.engram import GateProblem, HashProblem, LookupProblem
 from flashkern.kernels.indexer import Indexer, CandidateProblem, LogitsProblem, PagedProblem, SparseProblem, TopkProblem
 from flashkern.kernels.kv_cache import AttentionProblem, CodecProblem
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
@@ -47,6 +48,9 @@ CASES = {
     "kv_cache_insert": (CodecProblem(5, "fp4"), CodecProblem(3, "mxfp8")),
     "sparse_decode_attention": (AttentionProblem(3, 37, 5, 4, swa=True, sink=True),
                                 AttentionProblem(2, 20, 3, 3, "mxfp8", "fp4", swa=True)),
+    "engram_hash": (HashProblem(37, history=True), HashProblem(5, 3, 3)),
+    "engram_lookup": (LookupProblem(5, 7),),
+    "engram_gate": (GateProblem(5, 37),),
 }
 
 # The arguments whose kernels take strides (every dimension but the last); all others must be contiguous.
@@ -62,6 +66,7 @@ STRIDED = {
     "dequantize_kv": ("records",),
     "kv_cache_insert": ("latent",),
     "sparse_decode_attention": ("q", "indices", "swa_indices"),
+    "engram_lookup": ("table",),
 }
 
 VIEWS = ("padded", "offset", "permuted", "expanded")

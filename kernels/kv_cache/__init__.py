@@ -20,6 +20,7 @@ from flashkern import checks
 from flashkern.dispatch import call
 from flashkern.kernels._tilelang import TileLangKernel
 from flashkern.kernels._triton import TritonKernel
+from flashkern.kernels.compare import assert_within
 from flashkern.kernels.kv_cache import tilelang_attention, tilelang_records, triton_attention, triton_records
 from flashkern.kernels.kv_cache.cases import attention_cases, codec_cases
 from flashkern.kernels.kv_cache.problem import (CACHE_BLOCK, WINDOW_BY_POSITION, AttentionProblem, CodecProblem,
@@ -280,18 +281,6 @@ def _error_scales(inputs: dict) -> tuple[Tensor, Tensor]:
     return spread, magnitude.amax(dim=-1)
 
 
-def _close(name: str, expected: Tensor, actual: Tensor, allowed: Tensor) -> None:
-    e, a = expected.cpu().float(), actual.cpu().float()
-    same_special = (torch.isnan(e) & torch.isnan(a)) | (e == a)
-    special = ~(torch.isfinite(e) & torch.isfinite(a)) & ~same_special
-    assert not special.any(), f"{name}: NaN/inf differ at {torch.nonzero(special)[0].tolist()}"
-    off = torch.isfinite(e) & ((a - e).abs() > allowed)
-    if off.any():
-        at = tuple(torch.nonzero(off)[0].tolist())
-        raise AssertionError(f"{name}: {int(off.sum())} of {e.numel()} elements off; first at {list(at)}: "
-                             f"{a[at].item()} vs {e[at].item()} (allowed +-{allowed[at].item():.3g})")
-
-
 def compare_attention(inputs: dict, expected: AttentionOutputs, actual: AttentionOutputs) -> None:
     """out within FlashMLA's 1e-3 abs + 2/128 relative plus what rounding p to bf16 and summing the scores in
     another order may cost (error analysis: P_ROUNDING, and a score's rounding 4 sqrt(D) u sum_d |q_d k_d| scale,
@@ -305,9 +294,9 @@ def compare_attention(inputs: dict, expected: AttentionOutputs, actual: Attentio
     score_error = 4 * LATENT**0.5 * FP32_EPS * magnitude
     out_allowed = (OUT_TOLERANCE["atol"] + OUT_TOLERANCE["rtol"] * expected.out.cpu().float().abs()
                    + (P_ROUNDING + 2 * score_error[..., None]) * spread)
-    _close("out", expected.out, actual.out, out_allowed)
+    assert_within("out", expected.out, actual.out, out_allowed)
     lse = expected.lse.cpu()
-    _close("lse", lse, actual.lse, LSE_TOLERANCE["atol"] + LSE_TOLERANCE["rtol"] * lse.abs() + score_error)
+    assert_within("lse", lse, actual.lse, LSE_TOLERANCE["atol"] + LSE_TOLERANCE["rtol"] * lse.abs() + score_error)
 
 
 # ---------------------------------------------------------------- cost

@@ -1,0 +1,171 @@
+"""Engram's host-table lookup on this machine: GB/s against the copy bandwidth, with and without transparent huge
+pages, with and without prefetch overlapped with a stand-in compute step; and the model's H200 figures.
+
+A table of --table-gb GB lives in host memory (kernels/engram/host.HostTable), written once; a batch of T tokens
+reads T x 24 random rows of 264 bytes and writes bf16 [T, 24, 256]. Per backend (the reference's torch ops on
+torch's threads; the TileLang C kernel on host.gather's threads), the median time of a lookup (checked against
+the reference first), its rate in table bytes read (rows x 264) and in bytes moved (rows x (8 + 264 + 512)) over
+the machine's copy bandwidth (a 512 MB copy, read + write). Then one decode-like step repeated: engram's hash and
+lookup, and a compute step of about the lookup's length (a matmul standing in for the layers before Engram's),
+run one after the other, or overlapped (host.engram_prefetch before the compute, wait after it).
+The H200 rows come from the performance model (flashkern.model, device "h200": PCIe Gen5; "gh200": NVLink-C2C).
+
+Run: python benchmarks/engram_lookup.py [--table-gb 4] [--tokens 64,4096] [--backends reference,tilelang]
+     [--budget 2] [--json out.json]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from flashkern.autotune.timing import measure
+from flashkern.kernels.engram import LookupProblem, host, make_table, model_params
+from flashkern.kernels.engram.problem import V41_HEADS, V41_NGRAM
+from flashkern.reference import engram as ref
+from mhc_bandwidth import copy_bandwidth
+
+LOOKUPS = (V41_NGRAM - 1) * V41_HEADS
+MOVED = 8 + ref.ROW_BYTES + 2 * ref.ROW_VALUES  # a row id, a record read, bf16 values written
+FILL_BLOCK = 64 << 20
+THREADS = torch.get_num_threads()  # the machine's: torch's intra-op threads and host.gather's workers
+
+
+def filled_table(rows: int, huge_pages: bool) -> host.HostTable:
+    """A HostTable of random records: a 64 MB block of them copied over the whole table (the rows a batch reads
+    are random either way)."""
+    table = host.HostTable(rows, huge_pages=huge_pages)
+    block = make_table(min(rows, FILL_BLOCK // ref.ROW_BYTES), torch.Generator().manual_seed(0))
+    for start in range(0, rows, block.shape[0]):
+        piece = table.tensor[start: start + block.shape[0]]
+        piece.copy_(block[: piece.shape[0]])
+    return table
+
+
+def lookup_rows(table: host.HostTable, tokens: int, backends: list[str], budget: float, peak: float) -> list[dict]:
+    rows = torch.randint(0, table.tensor.shape[0], (tokens, LOOKUPS))
+    expected = ref.engram_lookup(table.tensor, rows)
+    found = []
+    for backend in backends:
+        out = host.gather(table.tensor, rows, backend=backend)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"{backend} differs from the reference"
+        timing = measure(lambda: host.gather(table.tensor, rows, out, backend=backend), torch.device("cpu"),
+                         budget=budget, threads=THREADS)
+        seconds = timing.median
+        found.append(dict(tokens=tokens, backend=backend, huge_pages=table.huge_pages_state,
+                          huge_page_gb=table.huge_page_bytes() / 1e9, us=seconds * 1e6,
+                          table_gb_per_s=rows.numel() * ref.ROW_BYTES / seconds / 1e9,
+                          moved_gb_per_s=rows.numel() * MOVED / seconds / 1e9,
+                          of_copy=rows.numel() * MOVED / seconds / peak))
+    return found
+
+
+def compute_step(seconds: float):
+    """A matmul loop of about `seconds` on this machine (the layers before Engram's)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    start, runs = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        a @ b
+        runs += 1
+    repeat = max(1, round(seconds / ((time.perf_counter() - start) / runs)))
+    return lambda: [a @ b for _ in range(repeat)]
+
+
+def prefetch_rows(table: host.HostTable, tokens: int, backend: str, steps: int) -> dict:
+    """Median step time, serial against overlapped: hash + lookup, and a compute step as long as they are."""
+    params = model_params()
+    hash_inputs = params.hash_inputs()
+    gen = torch.Generator().manual_seed(1)
+    token_ids = torch.randint(0, params.token_map.shape[0], (tokens,), generator=gen)
+    seq_ids = torch.arange(tokens)
+    out = torch.empty(tokens, LOOKUPS, ref.ROW_VALUES, dtype=torch.bfloat16)
+    host.engram_prefetch(table.tensor, token_ids, seq_ids, hash_inputs, out, backend=backend).wait()  # compiled
+    start = time.perf_counter()
+    host.engram_prefetch(table.tensor, token_ids, seq_ids, hash_inputs, out, backend=backend).wait()
+    compute = compute_step(time.perf_counter() - start)
+
+    def serial():
+        host.engram_prefetch(table.tensor, token_ids, seq_ids, hash_inputs, out, backend=backend).wait()
+        compute()
+
+    def overlapped():
+        started = host.engram_prefetch(table.tensor, token_ids, seq_ids, hash_inputs, out, backend=backend)
+        compute()
+        started.wait()
+
+    times = {}
+    for name, step in (("serial", serial), ("overlapped", overlapped)):
+        samples = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - begin)
+        times[name] = sorted(samples)[len(samples) // 2]
+    return dict(tokens=tokens, backend=backend, huge_pages=table.huge_pages_state, serial_us=times["serial"] * 1e6,
+                overlapped_us=times["overlapped"] * 1e6, speedup=times["serial"] / times["overlapped"])
+
+
+def model_rows(tokens: list[int]) -> list[dict]:
+    """The performance model's lookup on an H200 (PCIe Gen5 host link), a GH200 (NVLink-C2C) and in HBM."""
+    from flashkern import model
+
+    found = []
+    for device in ("h200", "gh200"):
+        for host_table in (False, True):
+            problems = [("engram_lookup", LookupProblem(t, host=host_table)) for t in tokens]
+            for row in model.evaluate_problems(problems, model.DEVICES[device], workers=1):
+                if row.prediction is not None and row.default:
+                    found.append(dict(device=device, host=host_table, tokens=row.problem.tokens, impl=row.impl,
+                                      us=row.prediction.seconds * 1e6, bound=row.prediction.bound))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table-gb", type=float, default=4.0)
+    parser.add_argument("--tokens", default="64,4096")
+    parser.add_argument("--backends", default="reference,tilelang")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row")
+    parser.add_argument("--steps", type=int, default=15, help="decode-like steps per prefetch row")
+    parser.add_argument("--no-model", action="store_true", help="skip the model's H200 rows")
+    parser.add_argument("--json", default=None, help="write every row here too")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    backends = args.backends.split(",")
+    peak = copy_bandwidth(torch.device("cpu"))
+    rows = int(args.table_gb * 1e9 // ref.ROW_BYTES)
+    print(f"copy bandwidth {peak / 1e9:.1f} GB/s; table {rows:,} rows ({rows * ref.ROW_BYTES / 1e9:.1f} GB); "
+          f"transparent huge pages: {host.transparent_huge_pages()}; {torch.get_num_threads()} threads\n")
+    lookups, prefetches = [], []
+    for huge_pages in (False, True):
+        table = filled_table(rows, huge_pages)
+        try:
+            for t in tokens:
+                lookups += lookup_rows(table, t, backends, args.budget, peak)
+                prefetches += [prefetch_rows(table, t, backend, args.steps) for backend in backends]
+        finally:
+            table.close()
+    print("| T | backend | huge pages | GB of them | time | table GB/s | moved GB/s | of copy bandwidth |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in lookups:
+        print(f"| {r['tokens']} | {r['backend']} | {r['huge_pages']} | {r['huge_page_gb']:.2f} | {r['us']:.0f} us | "
+              f"{r['table_gb_per_s']:.2f} | {r['moved_gb_per_s']:.2f} | {r['of_copy']:.1%} |")
+    print("\n| T | backend | huge pages | serial step | with prefetch | speedup |\n|---|---|---|---|---|---|")
+    for r in prefetches:
+        print(f"| {r['tokens']} | {r['backend']} | {r['huge_pages']} | {r['serial_us']:.0f} us | "
+              f"{r['overlapped_us']:.0f} us | {r['speedup']:.2f}x |")
+    predicted = [] if args.no_model else model_rows(tokens)
+    if predicted:
+        print("\n| device | table | T | impl | predicted | bound |\n|---|---|---|---|---|---|")
+        for r in predicted:
+            print(f"| {r['device']} | {'host (pinned)' if r['host'] else 'HBM'} | {r['tokens']} | {r['impl']} | "
+                  f"{r['us']:.1f} us | {r['bound']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gb_per_s=peak / 1e9, lookups=lookups, prefetch=prefetches, model=predicted), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
