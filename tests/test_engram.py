@@ -358,14 +358,14 @@ def test_prefetch_overlaps_compute_and_reuses_its_buffers():
     """Three decode-like steps into the same out and rows buffers, each started before a stand-in compute step
     and waited on after it: each step's values are its own tokens' (a later prefetch into the buffers waits for
     the earlier one; a stale or mixed result fails)."""
-    params = model_params()
+    params = ref.engram_params(14, ref.synthetic_token_map(VOCABULARY, SMALL.compressed_vocab), SMALL)
     hash_inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in params.hash_inputs().items()}
-    table = make_table(4099, torch.Generator().manual_seed(6)).to(DEVICE)
+    table = make_table(params.rows, torch.Generator().manual_seed(6)).to(DEVICE)  # every hashed row inside it
     out = torch.empty(9, 24, ref.ROW_VALUES, dtype=torch.bfloat16, device=DEVICE)
     rows = torch.empty(9, 24, dtype=torch.int64, device=DEVICE)
     real_hash = ref.engram_hash
     gen = torch.Generator().manual_seed(7)
-    steps = [torch.randint(0, 129_280, (9,), generator=gen) for _ in range(3)]
+    steps = [torch.randint(0, VOCABULARY, (9,), generator=gen) for _ in range(3)]
     seq_ids = torch.arange(9, device=DEVICE)
     for backend in ("reference", "tilelang"):
         for token_ids in steps:

@@ -9,6 +9,7 @@ when it is pinned (registered with CUDA): `HostTable(rows, pin=True)`.
 
 from __future__ import annotations
 
+import contextvars
 import mmap
 import re
 import threading
@@ -120,8 +121,9 @@ def gather(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = N
     if workers == 1:
         return call(0, rows.shape[0])
     call(bounds[0], bounds[1])  # the first slice on this thread: a compile (once per process) is never concurrent
-    with ThreadPoolExecutor(workers - 1) as pool:
-        for done in [pool.submit(call, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]:
+    with ThreadPoolExecutor(workers - 1) as pool:  # each slice in the caller's context (checked mode and the like)
+        for done in [pool.submit(contextvars.copy_context().run, call, a, b)
+                     for a, b in zip(bounds[1:-1], bounds[2:])]:
             done.result()
     return out
 
@@ -184,7 +186,7 @@ def engram_prefetch(table: torch.Tensor, token_ids: torch.Tensor, seq_ids: torch
         earlier = _IN_FLIGHT.get(key)
     if earlier is not None:
         earlier.result()
-    future = _CPU_WORKER.submit(run)
+    future = _CPU_WORKER.submit(contextvars.copy_context().run, run)  # in the caller's context (checked mode)
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT[key] = future
     future.add_done_callback(lambda done: _forget(key, done))

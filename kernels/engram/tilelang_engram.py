@@ -17,8 +17,8 @@ Tile plan (GPU flavour):
           sums of h^2, k^2, h q_w k k_w [hc, block_d]; 2. T.reduce_sum to [hc], the gates (shared); 3. over D again,
           out = h + g v (h from L2).
 Bound on an H200: hash by a warp's chain of int64 remainders (microseconds at 4096 tokens, launch latency at
-decode); lookup by the table's reads, 6.3 KB a token (HBM, or PCIe Gen5 at about 128 GB/s for a host table read
-through UVA); gate by HBM, 3 reads and a write of hc x D bf16 a token.
+decode); lookup by the table's reads, 6.3 KB a token (HBM, or PCIe Gen5 at 64 GB/s each way for a host table
+read through UVA); gate by HBM, 3 reads and a write of hc x D bf16 a token.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
