@@ -23,7 +23,8 @@ py=${PYTHON:-python3}
 test_workers=${TEST_WORKERS:-10}
 bench_workers=${BENCH_WORKERS:-5}
 ops=(sparse_decode_attention paged_mqa_logits mhc_post_pre moe_route_gate mqa_logits candidate_blocks  # slowest first
-     topk_indices mhc_pre sparse_mqa_logits moe_route mhc_post sinkhorn kv_cache_insert dequantize_kv quantize_kv)
+     topk_indices mhc_pre sparse_mqa_logits moe_route mhc_post sinkhorn kv_cache_insert dequantize_kv quantize_kv
+     engram_gate engram_lookup engram_hash)
 deadline=$(($(date +%s) + ${GPU_CHECK_SECONDS:-540}))
 step() {  # step NAME SECONDS COMMAND...: limited to SECONDS and to the deadline, logged to OUT_DIR/NAME.log
     local name=$1 limit=$2 start=$SECONDS rc left=$((deadline - $(date +%s)))
@@ -56,7 +57,7 @@ step tests 295 "$py" -m pytest -n "$test_workers" -v --tb=short -rfE -p no:cache
     --junitxml="$out/tests.xml" tests/test_serving.py tests/test_indexer.py tests/test_vllm_topk.py \
     tests/test_kv_cache.py tests/test_replay.py tests/test_mhc.py tests/test_moe_route.py tests/test_codecs.py \
     tests/test_deep_gemm.py tests/test_vllm_routing.py tests/test_vllm_mhc.py tests/test_layouts.py \
-    tests/test_index_safety.py tests/test_registry.py tests/test_check.py &
+    tests/test_engram.py tests/test_index_safety.py tests/test_registry.py tests/test_check.py &
 printf '%s\n' "${ops[@]}" | xargs -P "$bench_workers" -I{} bash -c \
     'step "warm-{}" 290 "$py" -m flashkern bench {} --preset v41-flash --budget 0.01 --json "$out/warm-{}.json"'
 wait
@@ -65,11 +66,14 @@ deadline=$final_deadline
 # Phase 2 (serial, GPU otherwise idle): timings from the warm caches.
 for group in "moe_route moe_route_gate" "mqa_logits paged_mqa_logits topk_indices" \
              "candidate_blocks sparse_mqa_logits" "sinkhorn mhc_pre mhc_post mhc_post_pre" \
-             "quantize_kv dequantize_kv kv_cache_insert" "sparse_decode_attention"; do
+             "quantize_kv dequantize_kv kv_cache_insert" "sparse_decode_attention" \
+             "engram_hash engram_lookup engram_gate"; do
     name=${group%% *}
     step "bench-$name" 40 "$py" -m flashkern bench $group --preset v41-flash --budget 0.08 \
         --json "$out/bench-$name.json"
 done
+step bench-engram-host 30 "$py" -m flashkern bench engram_lookup --preset v41-flash-host --budget 0.08 \
+    --json "$out/bench-engram-host.json"
 step designs-shared-window 60 "$py" benchmarks/designs.py --ops "sparse_decode_attention by position" \
     --tokens 2048,8192 --budget 0.1 --json "$out/designs-shared-window.json"
 step tune-mqa_logits 30 "$py" -m flashkern tune mqa_logits --preset smoke --budget 0.05 --max-configs 6

@@ -70,33 +70,11 @@ def hash_program(problem: HashProblem, config: dict, fl: Flavour, layout: tuple[
             before = T.alloc_var("int64", init=T.Cast("int64", TokenIds[T.max(t - k, 0)]))  # token t - k, or
             if depth < k:
                 before = -1  # nothing: the pad id
-                if History is not None:
-                    if (seq >= 0) & (seq < T.Cast("int64", sequences)):  # its history's (k - depth)-th id from the end
-                        before = History[T.min(T.max(seq, 0), sequences - 1), T.max(L - k + depth, 0)]
+                if (seq >= 0) & (seq < T.Cast("int64", sequences)):  # its history's (k - depth)-th id from the end
+                    before = History[T.min(T.max(seq, 0), sequences - 1), T.max(L - k + depth, 0)]
             h = h ^ (compressed(TokenMap, before, pad_id) * Multipliers[k])
             for j in T.unroll(heads):
                 Out[t, (k - 1) * heads + j] = h % Primes[k - 1, j] + Offsets[k - 1, j]
-
-    if problem.history:
-        @T.prim_func
-        def engram_hash_history(
-            TokenIds: T.Tensor((tokens,), token_dtype),
-            SeqIds: T.Tensor((tokens,), seq_dtype),
-            TokenMap: T.Tensor((vocabulary,), "int64"),
-            Multipliers: T.Tensor((L + 1,), "int64"),
-            Primes: T.Tensor((L, heads), "int64"),
-            Offsets: T.Tensor((L, heads), "int64"),
-            History: T.Tensor((sequences, L), "int64"),
-            Out: T.Tensor((tokens, L * heads), "int64"),
-            pad_id: T.int64,
-        ):
-            with T.Kernel(T.ceildiv(tokens, BT), threads=BT) as bx:
-                for i in fl.parallel(BT):
-                    if bx * BT + i < tokens:
-                        hash_token(TokenIds, SeqIds, TokenMap, Multipliers, Primes, Offsets, History, Out, pad_id,
-                                   bx * BT + i)
-
-        return engram_hash_history
 
     @T.prim_func
     def engram_hash(
@@ -106,24 +84,36 @@ def hash_program(problem: HashProblem, config: dict, fl: Flavour, layout: tuple[
         Multipliers: T.Tensor((L + 1,), "int64"),
         Primes: T.Tensor((L, heads), "int64"),
         Offsets: T.Tensor((L, heads), "int64"),
+        History: T.Tensor((sequences, L), "int64"),
         Out: T.Tensor((tokens, L * heads), "int64"),
         pad_id: T.int64,
     ):
         with T.Kernel(T.ceildiv(tokens, BT), threads=BT) as bx:
             for i in fl.parallel(BT):
                 if bx * BT + i < tokens:
-                    hash_token(TokenIds, SeqIds, TokenMap, Multipliers, Primes, Offsets, None, Out, pad_id,
+                    hash_token(TokenIds, SeqIds, TokenMap, Multipliers, Primes, Offsets, History, Out, pad_id,
                                bx * BT + i)
 
     return engram_hash
 
 
+_NO_HISTORY: dict = {}  # (device, lookback) -> a history row of -1 (none), for calls without one
+
+
+def no_history(device: torch.device, lookback: int) -> torch.Tensor:
+    """One history row of -1: with it, sequence 0 hashes as with no history and every other id is outside it."""
+    key = (device, lookback)
+    if key not in _NO_HISTORY:
+        _NO_HISTORY[key] = torch.full((1, lookback), -1, dtype=torch.int64, device=device)
+    return _NO_HISTORY[key]
+
+
 def hash_args(problem: HashProblem, inputs: dict, config: dict, fl: Flavour, out):
     if problem.tokens == 0:
         return None
-    history = [inputs["history"]] if problem.history else []
+    history = inputs["history"] if problem.history else no_history(out.device, problem.max_ngram - 1)
     return [inputs["token_ids"], inputs["seq_ids"], inputs["token_map"], inputs["multipliers"], inputs["primes"],
-            inputs["offsets"], *history, out, int(inputs["pad_id"])]
+            inputs["offsets"], history, out, int(inputs["pad_id"])]
 
 
 # ---------------------------------------------------------------- engram_lookup
