@@ -221,7 +221,7 @@ def test_sampled_configs_match_reference(backend, data):
 
 
 GPU_PROBLEMS = (HashProblem(300, history=True), HashProblem(1), LookupProblem(77), LookupProblem(1),
-                GateProblem(3, 7168), GateProblem(2, 1000))
+                LookupProblem(77, host=True), GateProblem(3, 7168), GateProblem(2, 1000))
 
 
 @pytest.mark.parametrize("backend", KERNELS)

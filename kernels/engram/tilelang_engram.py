@@ -283,9 +283,10 @@ LOOKUP_SPACE = Space(params={"block_rows": (1, 2, 4, 8, 16, 32), "threads": (64,
 
 
 def lookup_default(problem: LookupProblem) -> dict:
-    """16 rows a tile (4.2 KB of records), a persistent grid of SMS blocks (vLLM's gather over a host table), 128
-    threads: 4 pieces of 8 values a thread."""
-    return {"block_rows": 16, "threads": 128, "persistent": 1}
+    """16 rows a tile (4.2 KB of records), 128 threads: 4 pieces of 8 values a thread; a block per tile for a table
+    in HBM (resident blocks hide the loads' latency), a persistent grid of SMS blocks for a host table (vLLM's
+    gather over UVA)."""
+    return {"block_rows": 16, "threads": 128, "persistent": 1 if problem.host else 0}
 
 
 GATE_SPACE = Space(
