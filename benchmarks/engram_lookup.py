@@ -10,12 +10,17 @@ lookup, and a compute step of about the lookup's length (a matmul standing in fo
 run one after the other, or overlapped (host.engram_prefetch before the compute, wait after it).
 The H200 rows come from the performance model (flashkern.model, device "h200": PCIe Gen5; "gh200": NVLink-C2C).
 
+Both tables stay allocated and the rounds alternate them (on a shared machine, run-to-run drift is as large as the
+effect): each row is the median of the rounds, with the lowest and highest round beside it.
+
 Run: python benchmarks/engram_lookup.py [--table-gb 4] [--tokens 64,4096] [--backends reference,tilelang]
-     [--budget 2] [--json out.json]
+     [--budget 2] [--rounds 5] [--steps 15] [--json out.json]
 """
 
 import argparse
+import itertools
 import json
+import statistics
 import time
 
 import torch
@@ -29,6 +34,7 @@ from mhc_bandwidth import copy_bandwidth
 LOOKUPS = (V41_NGRAM - 1) * V41_HEADS
 MOVED = 8 + ref.ROW_BYTES + 2 * ref.ROW_VALUES  # a row id, a record read, bf16 values written
 FILL_BLOCK = 64 << 20
+BATCHES = 16  # row batches a timing cycles through
 THREADS = torch.get_num_threads()  # the machine's: torch's intra-op threads and host.gather's workers
 
 
@@ -46,14 +52,18 @@ def filled_table(rows: int, huge_pages: bool) -> host.HostTable:
 def lookup_rows(table: host.HostTable, tokens: int, backends: list[str], budget: float, peak: float) -> list[dict]:
     """Each backend's lookup, and "records": the rows' bytes gathered alone (torch.index_select into a buffer, no
     decode), the memory side on its own, where page size matters most."""
-    rows = torch.randint(0, table.tensor.shape[0], (tokens, LOOKUPS))
+    batches = [torch.randint(0, table.tensor.shape[0], (tokens, LOOKUPS)) for _ in range(BATCHES)]
+    turn = itertools.cycle(batches)  # a new batch each call: rows a call reads are not in the caches from the last
+    rows = batches[0]
     expected = ref.engram_lookup(table.tensor, rows)
     records = torch.empty(rows.numel(), ref.ROW_BYTES, dtype=torch.uint8)
-    calls = {"records": (lambda: torch.index_select(table.tensor, 0, rows.view(-1), out=records), ref.ROW_BYTES + 8)}
+    calls = {"records": (lambda: torch.index_select(table.tensor, 0, next(turn).view(-1), out=records),
+                         ref.ROW_BYTES + 8)}
     for backend in backends:
         out = host.gather(table.tensor, rows, backend=backend)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"{backend} differs from the reference"
-        calls[backend] = (lambda backend=backend, out=out: host.gather(table.tensor, rows, out, backend=backend), MOVED)
+        calls[backend] = (lambda backend=backend, out=out: host.gather(table.tensor, next(turn), out, backend=backend),
+                          MOVED)
     found = []
     for name, (call, moved) in calls.items():
         seconds = measure(call, torch.device("cpu"), budget=budget, threads=THREADS).median
@@ -125,12 +135,21 @@ def model_rows(tokens: list[int]) -> list[dict]:
     return found
 
 
+def grouped(found: list[dict]):
+    """(tokens, backend, huge pages) -> the rows of every round, in first-seen order."""
+    groups = {}
+    for r in found:
+        groups.setdefault((r["tokens"], r["backend"], r["huge_pages"]), []).append(r)
+    return groups.items()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table-gb", type=float, default=4.0)
     parser.add_argument("--tokens", default="64,4096")
     parser.add_argument("--backends", default="reference,tilelang")
-    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row, over all rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the spread between them is shown)")
     parser.add_argument("--steps", type=int, default=15, help="decode-like steps per prefetch row")
     parser.add_argument("--no-model", action="store_true", help="skip the model's H200 rows")
     parser.add_argument("--json", default=None, help="write every row here too")
@@ -141,27 +160,35 @@ def main() -> None:
     rows = int(args.table_gb * 1e9 // ref.ROW_BYTES)
     print(f"copy bandwidth {peak / 1e9:.1f} GB/s; table {rows:,} rows ({rows * ref.ROW_BYTES / 1e9:.1f} GB); "
           f"transparent huge pages: {host.transparent_huge_pages()}; {torch.get_num_threads()} threads\n")
+    tables = {huge_pages: filled_table(rows, huge_pages) for huge_pages in (False, True)}
     lookups, prefetches = [], []
-    for huge_pages in (False, True):
-        table = filled_table(rows, huge_pages)
-        try:
+    try:  # rounds alternate the two tables: a shared machine's drift falls on both alike
+        for _ in range(args.rounds):
             for t in tokens:
-                lookups += lookup_rows(table, t, backends, args.budget, peak)
-                prefetches += [prefetch_rows(table, t, backend, args.steps) for backend in backends]
-        finally:
+                for table in tables.values():
+                    lookups += lookup_rows(table, t, backends, args.budget / args.rounds, peak)
+                    prefetches += [prefetch_rows(table, t, backend, args.steps) for backend in backends]
+    finally:
+        for table in tables.values():
             table.close()
-    print("| T | backend | huge pages | GB of them | time | table GB/s | moved GB/s | of copy bandwidth |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in lookups:
-        print(f"| {r['tokens']} | {r['backend']} | {r['huge_pages']} | {r['huge_page_gb']:.2f} | {r['us']:.0f} us | "
-              f"{r['table_gb_per_s']:.2f} | {r['moved_gb_per_s']:.2f} | {r['of_copy']:.1%} |")
+    print(f"Medians of {args.rounds} interleaved rounds [lowest, highest round]\n")
+    print("| T | backend | huge pages | time | table GB/s | moved GB/s | of copy bandwidth |")
+    print("|---|---|---|---|---|---|---|")
+    for key, group in grouped(lookups):
+        us = [r["us"] for r in group]
+        r = group[0]
+        scale = statistics.median(us) / r["us"]  # the rates at the median time
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {statistics.median(us):.0f} us [{min(us):.0f}, {max(us):.0f}] | "
+              f"{r['table_gb_per_s'] / scale:.2f} | {r['moved_gb_per_s'] / scale:.2f} | {r['of_copy'] / scale:.1%} |")
     print("\n| T | backend | huge pages | serial step | with prefetch | speedup |\n|---|---|---|---|---|---|")
-    for r in prefetches:
-        print(f"| {r['tokens']} | {r['backend']} | {r['huge_pages']} | {r['serial_us']:.0f} us | "
-              f"{r['overlapped_us']:.0f} us | {r['speedup']:.2f}x |")
+    for key, group in grouped(prefetches):
+        speedups = [r["speedup"] for r in group]
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {statistics.median(r['serial_us'] for r in group):.0f} us | "
+              f"{statistics.median(r['overlapped_us'] for r in group):.0f} us | {statistics.median(speedups):.2f}x "
+              f"[{min(speedups):.2f}, {max(speedups):.2f}] |")
     predicted = [] if args.no_model else model_rows(tokens)
     if predicted:
-        print("\n| device | table | T | impl | predicted | bound |\n|---|---|---|---|---|---|")
+        print("\n| device | table | T | impl | predicted (kernel + a launch) | bound |\n|---|---|---|---|---|---|")
         for r in predicted:
             print(f"| {r['device']} | {'host (pinned)' if r['host'] else 'HBM'} | {r['tokens']} | {r['impl']} | "
                   f"{r['us']:.1f} us | {r['bound']} |")

@@ -235,6 +235,21 @@ def test_the_gpus_default_configs(backend, problem):
     run_and_check(op, op.make_inputs(problem, DEVICE, seed=3), backend, config)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("tokens, hidden", [(1001, 576), (129, 7168)])
+def test_gate_at_tilekernels_shapes(backend, tokens, hidden):
+    """TileKernels' gate check (T 4001 / 8001, hc 4, hidden 576 .. 7168) scaled for a CPU (Triton's interpreter runs
+    a program per token): a thousand tokens at 576, a hundred at 7168; a third of the keys zero (dot = 0: g = 1/2
+    exactly), a third negated (g < 1/2)."""
+    op = OPS["engram_gate"]
+    inputs = op.make_inputs(GateProblem(tokens, hidden), "cpu", seed=tokens)
+    inputs["k"][0::3] = 0
+    inputs["k"][1::3] *= -1
+    got = run_and_check(op, on_device(inputs), backend).cpu()
+    zero = inputs["h"][0::3].float() + 0.5 * inputs["v"][0::3, None, :].float()
+    assert torch.equal(got[0::3], zero.bfloat16())
+
+
 def test_the_model_sizes_hash_equals_the_per_token_computation():
     """The model's hash (primes from 16M, multipliers near 2^63 / V') on a batch with history, every backend."""
     op = OPS["engram_hash"]
@@ -381,6 +396,17 @@ def test_prefetch_overlaps_compute_and_reuses_its_buffers():
         again[-1].wait()
         expected = ref.engram_lookup(table, real_hash(steps[2].to(DEVICE), seq_ids, **hash_inputs).cpu())
         OPS["engram_lookup"].compare({}, expected.to(DEVICE), out)
+
+
+def test_the_dlpack_record_cuda_view_rewrites_is_where_it_is_expected():
+    """cuda_view rewrites the device of a tensor's DLPack record at a fixed offset: a CPU tensor's record holds
+    kDLCPU (1) and index 0 there, and a record rewritten to the same values gives back the same memory."""
+    table = torch.arange(264 * 3, dtype=torch.uint8).view(3, 264)[1:]
+    capsule = torch.utils.dlpack.to_dlpack(table)
+    kind, index = host.dlpack_device(capsule)
+    assert (kind.value, index.value) == (1, 0)
+    again = torch.utils.dlpack.from_dlpack(capsule)
+    assert again.data_ptr() == table.data_ptr() and again.shape == table.shape and torch.equal(again, table)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads pinned host memory from a GPU kernel (UVA)")

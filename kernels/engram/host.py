@@ -10,6 +10,7 @@ when it is pinned (registered with CUDA): `HostTable(rows, pin=True)`.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import mmap
 import re
 import threading
@@ -17,6 +18,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.utils.dlpack
 
 from flashkern.reference.engram import ROW_BYTES, ROW_VALUES
 
@@ -106,6 +108,28 @@ class HostTable:
             self.pinned = False
         del self.tensor
         self._map.close()
+
+
+_DL_CUDA = 2  # DLPack's kDLCUDA
+_DEVICE_FIELD = 8  # byte offset of DLTensor.device (after the data pointer) in a DLManagedTensor
+
+
+def cuda_view(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on `device` over a pinned host tensor's memory (no copy; it keeps the table alive), for
+    launchers that refuse a CPU tensor for a CUDA kernel (TileLang's) while the kernel reads it through UVA: the
+    tensor's DLPack record with its device rewritten, as vLLM's get_cuda_view_from_cpu_tensor does in C++."""
+    capsule = torch.utils.dlpack.to_dlpack(table)
+    kind, index = dlpack_device(capsule)
+    kind.value, index.value = _DL_CUDA, torch.device(device).index or 0
+    return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def dlpack_device(capsule) -> tuple[ctypes.c_int32, ctypes.c_int32]:
+    """The device type and index fields of a DLPack capsule's tensor record, in place."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    record = get(capsule, b"dltensor")
+    return ctypes.c_int32.from_address(record + _DEVICE_FIELD), ctypes.c_int32.from_address(record + _DEVICE_FIELD + 4)
 
 
 def gather(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None, *, workers: int | None = None,

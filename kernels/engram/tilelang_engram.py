@@ -13,9 +13,11 @@ Tile plan (GPU flavour):
           1. the row ids, range-checked; 2. the records -> rec [block_rows, 264] (shared; 8-byte cp.async pieces where
           the table is 8-byte aligned, else bytes a row at a time; zeros for a row outside the table, which decode to
           +0); 3. thread: (row, 8 values), decoded in registers, one 16-byte store.
-  gate    grid: T, all hc streams a block; 1. over D in block_d steps, h and k tiles to registers, per-thread partial
-          sums of h^2, k^2, h q_w k k_w [hc, block_d]; 2. T.reduce_sum to [hc], the gates (shared); 3. over D again,
-          out = h + g v (h from L2).
+  gate    grid: (T, hc / S), S streams a block: 1 (stream_programs, decode: hc x T blocks) or hc (a block per token);
+          1. over D in block_d steps, k, q_w, k_w tiles to registers, h tiles T.copy'd into the kept slice [S, D]
+          (shared, up to 64 KiB; else registers), per-thread partial sums of h^2, k^2, h q_w k k_w [S, block_d];
+          2. T.reduce_sum to [S], the gates (shared); 3. over D again, v tiles to registers, out = h + g v (h from the
+          slice, else L2); q_w, k_w and v once a block (S times from L2 a token where S = 1).
 Bound on an H200: hash by a warp's chain of int64 remainders (microseconds at 4096 tokens, launch latency at
 decode); lookup by the table's reads, 6.3 KB a token (HBM, or PCIe Gen5 at 64 GB/s each way for a host table
 read through UVA); gate by HBM, 3 reads and a write of hc x D bf16 a token.
@@ -27,6 +29,7 @@ import torch
 
 from flashkern.autotune.space import Space
 from flashkern.kernels._tilelang import Flavour, codecs, row_strided
+from flashkern.kernels.engram import host
 from flashkern.kernels.engram.problem import GateProblem, HashProblem, LookupProblem
 from flashkern.kernels.tiles import SMS, next_power_of_2
 from flashkern.reference.engram import DOT_FLOOR, ROW_BYTES, ROW_VALUES, SCALE_BLOCK
@@ -182,18 +185,59 @@ def lookup_program(problem: LookupProblem, config: dict, fl: Flavour, layout: tu
 
 
 def lookup_args(problem: LookupProblem, inputs: dict, config: dict, fl: Flavour, out):
+    """A pinned host table (for CUDA rows) goes in as a CUDA view of its memory: TileLang's launcher refuses CPU
+    tensors for a CUDA kernel, which reads the memory through UVA."""
     if problem.rows == 0:
         return None
-    return [inputs["table"], inputs["rows"].reshape(-1), fl.bf16_arg(out).view(-1, ROW_VALUES)]
+    table = host.cuda_view(inputs["table"], out.device) if problem.host else inputs["table"]
+    return [table, inputs["rows"].reshape(-1), fl.bf16_arg(out).view(-1, ROW_VALUES)]
 
 
 # ---------------------------------------------------------------- engram_gate
 
 
+KEPT_H_BYTES = 64 << 10  # a block keeps its h slice in shared memory up to this size; pass 2 reads it there
+
+
+def gate_streams(problem: GateProblem, config: dict) -> int:
+    """The streams a block handles: 1 with stream_programs (a block per token and stream), else all hc."""
+    return 1 if config["stream_programs"] else problem.streams
+
+
+def gate_kept_width(problem: GateProblem, config: dict) -> int:
+    """The columns of the shared h slice [S, cdiv(hidden, block_d) block_d] a block keeps from pass 1 for pass 2, or
+    0 where S x that x 2 bytes is over KEPT_H_BYTES (pass 2 then reads h from global memory again)."""
+    width = -(-problem.hidden // config["block_d"]) * config["block_d"]
+    return width if gate_streams(problem, config) * width * 2 <= KEPT_H_BYTES else 0
+
+
 def gate_program(problem: GateProblem, config: dict, fl: Flavour):
-    """Out [T, hc, D] bf16 (module docstring)."""
+    """Out [T, hc, D] bf16 (module docstring): a block per token and group of S streams (S = 1 or hc)."""
     hc, BD = problem.streams, config["block_d"]
+    S = gate_streams(problem, config)
+    kept = gate_kept_width(problem, config)  # h in shared memory from pass 1 (0: re-read in pass 2)
     tokens, D = T.dynamic("tokens"), T.dynamic("hidden")
+
+    levels = BD.bit_length() - 1  # block_d is a power of two
+
+    @T.macro
+    def lane_sum(parts, total):
+        """total[s] = the sum of parts[s, :]: T.reduce_sum (a tree over the threads) on the GPU; on the CPU a pairwise
+        tree in place, as its reduce_sum adds the lanes one after another (an fp32 error growing with block_d, which
+        a near-zero dot's root amplifies past compare_gate's bound)."""
+        if fl.on_gpu:
+            T.reduce_sum(parts, total, dim=1)
+        else:
+            for level in T.serial(levels):
+                half = T.shift_right(BD, level + 1)
+                for s, d in T.grid(S, half):
+                    parts[s, d] = parts[s, d] + parts[s, d + half]
+            for s in T.serial(S):
+                total[s] = parts[s, 0]
+
+    def h_of(H, h_tile, t, g, s, c, d):
+        """h[t, g S + s, c BD + d] after pass 1's loads: from the kept slice, else from global memory (L2)."""
+        return h_tile[s, c * BD + d] if kept else H[t, g * S + s, c * BD + d]
 
     @T.prim_func
     def engram_gate(
@@ -205,51 +249,67 @@ def gate_program(problem: GateProblem, config: dict, fl: Flavour):
         Out: T.Tensor((tokens, hc, D), fl.bf16),
         eps: T.float32,
     ):
-        with T.Kernel(tokens, threads=config["threads"]) as t:
+        with T.Kernel(tokens, hc // S, threads=config["threads"]) as (t, g):
             if problem.hidden % PIECE == 0:  # rows of 16-byte multiples: 16-byte loads and stores
                 T.assume(D % PIECE == 0)
-            h_squares = fl.fragment((hc, BD), "float32")
-            k_squares = fl.fragment((hc, BD), "float32")
-            products = fl.fragment((hc, BD), "float32")
-            h_tile = fl.fragment((hc, BD), fl.bf16)
-            k_tile = fl.fragment((hc, BD), fl.bf16)
-            h_sum = fl.fragment((hc,), "float32")
-            k_sum = fl.fragment((hc,), "float32")
-            dot = fl.fragment((hc,), "float32")
-            gate = fl.shared((hc,), "float32")
+            if kept:  # the specialization's width: the kept slice holds every column
+                T.assume(D == problem.hidden)
+            h_squares = fl.fragment((S, BD), "float32")
+            k_squares = fl.fragment((S, BD), "float32")
+            products = fl.fragment((S, BD), "float32")
+            h_tile = fl.shared((S, kept), fl.bf16) if kept else fl.fragment((S, BD), fl.bf16)
+            k_tile = fl.fragment((S, BD), fl.bf16)
+            q_tile = fl.fragment((BD,), fl.bf16)  # q_w, k_w and v: loaded once a block, for its S streams
+            kw_tile = fl.fragment((BD,), fl.bf16)
+            v_tile = fl.fragment((BD,), fl.bf16)
+            h_sum = fl.fragment((S,), "float32")
+            k_sum = fl.fragment((S,), "float32")
+            dot = fl.fragment((S,), "float32")
+            gate = fl.shared((S,), "float32")
             T.clear(h_squares)
             T.clear(k_squares)
             T.clear(products)
-            # 1. per-thread partial sums over D (h and k through registers: each element loaded once)
+            # 1. per-thread partial sums over D (each element loaded once: k, q_w, k_w through registers, h into
+            #    the kept slice or registers)
             for c in T.serial(T.ceildiv(D, BD)):
-                for s, d in fl.parallel(hc, BD):
-                    h_tile[s, d] = T.if_then_else(c * BD + d < D, H[t, s, c * BD + d], T.Cast(fl.bf16, 0))
-                    k_tile[s, d] = T.if_then_else(c * BD + d < D, K[t, s, c * BD + d], T.Cast(fl.bf16, 0))
-                for s, d in fl.parallel(hc, BD):
+                if kept:  # columns past D are not read (nor used)
+                    T.copy(H[t, g * S:g * S + S, c * BD:c * BD + BD], h_tile[0:S, c * BD:c * BD + BD],
+                           disable_tma=True)
+                else:
+                    for s, d in fl.parallel(S, BD):
+                        h_tile[s, d] = T.if_then_else(c * BD + d < D, H[t, g * S + s, c * BD + d],
+                                                      T.Cast(fl.bf16, 0))
+                for s, d in fl.parallel(S, BD):
+                    k_tile[s, d] = T.if_then_else(c * BD + d < D, K[t, g * S + s, c * BD + d], T.Cast(fl.bf16, 0))
+                for d in fl.parallel(BD):
+                    q_tile[d] = T.if_then_else(c * BD + d < D, Qw[c * BD + d], T.Cast(fl.bf16, 0))
+                    kw_tile[d] = T.if_then_else(c * BD + d < D, Kw[c * BD + d], T.Cast(fl.bf16, 0))
+                for s, d in fl.parallel(S, BD):
                     if c * BD + d < D:
-                        x = fl.load_bf16(h_tile[s, d])
+                        x = fl.load_bf16(h_tile[s, c * BD + d] if kept else h_tile[s, d])
                         y = fl.load_bf16(k_tile[s, d])
                         h_squares[s, d] = h_squares[s, d] + x * x
                         k_squares[s, d] = k_squares[s, d] + y * y
-                        products[s, d] = products[s, d] + x * fl.load_bf16(Qw[c * BD + d]) * y * fl.load_bf16(
-                            Kw[c * BD + d])
+                        products[s, d] = products[s, d] + x * fl.load_bf16(q_tile[d]) * y * fl.load_bf16(kw_tile[d])
             # 2. the sums, the gates
-            T.reduce_sum(h_squares, h_sum, dim=1)
-            T.reduce_sum(k_squares, k_sum, dim=1)
-            T.reduce_sum(products, dot, dim=1)
-            for s in fl.parallel(hc):
+            lane_sum(h_squares, h_sum)
+            lane_sum(k_squares, k_sum)
+            lane_sum(products, dot)
+            for s in fl.parallel(S):
                 rstd = T.rsqrt(h_sum[s] / T.Cast("float32", D) + eps) * T.rsqrt(k_sum[s] / T.Cast("float32", D) + eps)
                 scaled = dot[s] * rstd / T.sqrt(T.Cast("float32", D))
                 # sign(dot) sqrt(max(|dot|, floor)); a NaN dot is its own sign (max drops a NaN)
                 sign = T.if_then_else(scaled > 0, T.float32(1), T.if_then_else(scaled < 0, T.float32(-1), scaled))
                 logit = sign * T.sqrt(T.max(T.max(scaled, -scaled), DOT_FLOOR))
                 gate[s] = 1.0 / (1.0 + T.exp(-logit))
-            # 3. out = h + g v
+            # 3. out = h + g v (h kept, or from L2)
             for c in T.serial(T.ceildiv(D, BD)):
-                for s, d in fl.parallel(hc, BD):
+                for d in fl.parallel(BD):
+                    v_tile[d] = T.if_then_else(c * BD + d < D, V[t, c * BD + d], T.Cast(fl.bf16, 0))
+                for s, d in fl.parallel(S, BD):
                     if c * BD + d < D:
-                        Out[t, s, c * BD + d] = fl.store_bf16(fl.load_bf16(H[t, s, c * BD + d])
-                                                              + gate[s] * fl.load_bf16(V[t, c * BD + d]))
+                        Out[t, g * S + s, c * BD + d] = fl.store_bf16(fl.load_bf16(h_of(H, h_tile, t, g, s, c, d))
+                                                                      + gate[s] * fl.load_bf16(v_tile[d]))
 
     return engram_gate
 
@@ -267,8 +327,10 @@ def gate_args(problem: GateProblem, inputs: dict, config: dict, fl: Flavour, out
 #   hash    32..38 registers, no shared memory (a thread's int64 chain);
 #   lookup  24..118 registers over the whole space, aligned or not (64 at the default), shared memory 264 B + 8 B a
 #           row (8.5 KiB at 32 rows);
-#   gate    the partial sums [hc, block_d] live in registers: 96 a thread (3 x hc x block_d / threads) take 137..246
-#           registers (187 at the default, hc = 4), 192 spill (hc = 4, block_d 2048, 128 threads: 160 B).
+#   gate    the partial sums [S, block_d] live in registers (S = 1 or hc): up to 96 a thread (3 x S x block_d /
+#           threads) take 28..197 registers over the space (hc 1..16, D 576..7168), 192 spill (hc = 4, block_d 2048,
+#           128 threads: 160 B); the kept h slice takes up to 64 KiB of shared memory. Defaults (D 4096..7168): 70..71
+#           registers and 8.5..14.5 KiB a stream's block, 96 and 33..57 KiB a token's 4 streams (256 threads).
 HASH_SPACE = Space(params={"block_t": (32, 64, 128, 256)})
 
 
@@ -290,17 +352,28 @@ def lookup_default(problem: LookupProblem) -> dict:
 
 
 GATE_SPACE = Space(
-    params={"block_d": (256, 512, 1024, 2048, 4096), "threads": (128, 256)},
+    params={"block_d": (256, 512, 1024, 2048, 4096), "threads": (128, 256), "stream_programs": (0, 1)},
     gpu_only=("threads",),
-    limits={"3 x streams x block_d / threads <= 96 (partial sums in registers)":
-            lambda p, c: 3 * p.streams * c["block_d"] <= 96 * c["threads"]},
+    limits={"3 x S x block_d / threads <= 96, S = 1 or streams (partial sums in registers)":
+            lambda p, c: 3 * gate_streams(p, c) * c["block_d"] <= 96 * c["threads"]},
 )
 
 
 def gate_default(problem: GateProblem) -> dict:
-    """128 threads and block_d 1024, or D's next power of two (at least 256) where D is smaller; with more streams
-    than fit the registers at that width, the widest that fits (then 256 threads)."""
+    """A block per (token, stream) below SMS tokens (where a block per token leaves SMs idle), with one stream, or
+    where a token's streams' h is over the shared memory a block may keep; else a block per token. block_d 1024, or
+    D's next power of two (at least 256) where D is smaller; 128 threads a stream, 256 all streams; with more streams
+    than fit the registers at that width, the widest that fits (then 256 threads).
+    The model (H200, D 5120, hc 4; before -> after): T = 1 4.9 -> 1.3 us (4 blocks: HBM over a 4/132 fill), T = 64
+    4.9 -> 2.4 us (roof 1.8; L2, each stream's block reading q_w, k_w and v), T = 4096 205.6 -> 146.4 us (roof 113.6;
+    h read once, from the kept slice; HBM at 80% of peak). From 132 tokens a block per token is ahead (132, 200,
+    250 tokens: 4.6, 6.9, 8.7 us against 4.9, 7.4, 17.1 a stream, the last over a second wave; 4096: 146.4 against
+    153.9); hc 8 at D 5120 keeps no slice a token: 307.8 us a stream against 357.6 a token."""
     widest = min(1024, max(256, next_power_of_2(max(problem.hidden, 1))))
-    candidates = [{"block_d": block_d, "threads": 128} for block_d in (1024, 512, 256) if block_d <= widest]
-    candidates.append({"block_d": 256, "threads": 256})
+    per_token_keeps_h = gate_kept_width(problem, {"block_d": widest, "stream_programs": 0}) > 0
+    stream_programs = int(problem.tokens < SMS or problem.streams == 1 or not per_token_keeps_h)
+    threads = 128 if stream_programs else 256
+    candidates = [{"block_d": block_d, "threads": threads, "stream_programs": stream_programs}
+                  for block_d in (1024, 512, 256) if block_d <= widest]
+    candidates.append({"block_d": 256, "threads": 256, "stream_programs": stream_programs})
     return next((c for c in candidates if not GATE_SPACE.violations(problem, c)), candidates[-1])

@@ -13,8 +13,10 @@ remainders by the primes are stored once. Lookup: the T x L row reads flattened 
 (int64 byte offsets at the table's row stride; its alignment is declared so that a row's 256 codes load in
 pieces of up to 8 bytes); a program per tile, or a persistent grid of min(tiles, SMs) or min(tiles, SMs / 2)
 programs (the side stream's half) striding over the tiles. Gate: a program per token holds its hc streams as
-[HC, BLOCK_D] tiles: a pass over D accumulates sum h^2, sum k^2 and sum h q_w k k_w per stream, a second pass
-re-reads h (L1 / L2) and v (once for the streams) and stores out.
+[HC, BLOCK_D] tiles, or (stream_programs, for few tokens) a program per (token, stream) one [BLOCK_D] row, a
+token's programs adjacent (hc times the CTAs; each reads v and the weights, L2 serving the repeats): a pass over D
+accumulates sum h^2, sum k^2 and sum h q_w k k_w per stream, a second pass re-reads h (L1 / L2) and v and stores
+out.
 
 H200 bounds: lookup and gate are memory-bound. Lookup: 264 B in and 512 B out a row, 24 rows a token; a host
 table is read at PCIe Gen5's 64 GB/s each way by a persistent grid (vLLM's UVA gather: the table dwarfs TLB reach).
@@ -131,12 +133,16 @@ def engram_lookup_kernel(table_ptr, stride_table, rows_ptr, out_ptr, count, tabl
 
 @triton.jit
 def engram_gate_kernel(h_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, out_ptr, D, eps, dot_scale, HC: tl.constexpr,
-                       HC_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out [HC, D] of token program_id(0): the three sums over D, then the gated add (dot_scale = 1 / sqrt(D))."""
-    t = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, HC_PAD)[:, None]
-    s_ok = s < HC
-    stream = t * (HC * D) + s * D
+                       HC_PER_PROGRAM: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out [HC_PER_PROGRAM, D] of program_id(0)'s token and streams (HC_PER_PROGRAM = HC: the token's streams; 1:
+    one stream, the token's HC programs adjacent): the three sums over D, then the gated add (dot_scale = 1 /
+    sqrt(D)). HC_PAD = next_power_of_2(HC_PER_PROGRAM)."""
+    PROGRAMS: tl.constexpr = HC // HC_PER_PROGRAM  # a token's programs
+    program = tl.program_id(0)
+    t = (program // PROGRAMS).to(tl.int64)
+    i = tl.arange(0, HC_PAD)[:, None]
+    s_ok = i < HC_PER_PROGRAM
+    stream = t * (HC * D) + ((program % PROGRAMS) * HC_PER_PROGRAM + i) * D
     hh = tl.zeros((HC_PAD,), tl.float32)
     kk = tl.zeros((HC_PAD,), tl.float32)
     hk = tl.zeros((HC_PAD,), tl.float32)
@@ -202,22 +208,29 @@ def plan_lookup(problem, inputs: dict, config: dict, out) -> Launch:
                   num_warps=config["num_warps"])
 
 
+def streams_per_program(problem, config: dict) -> int:
+    """A gate program's streams: one (stream_programs 1) or the token's hc (0)."""
+    return 1 if config["stream_programs"] else problem.streams
+
+
 def plan_gate(problem, inputs: dict, config: dict, out) -> Launch:
-    """bf16 [T, hc, D]: a program per token."""
-    return Launch(engram_gate_kernel, grid=(problem.tokens,),
+    """bf16 [T, hc, D]: a program per token (stream_programs 0) or per (token, stream), a token's adjacent (1)."""
+    per_program = streams_per_program(problem, config)
+    return Launch(engram_gate_kernel, grid=(problem.tokens * (problem.streams // per_program),),
                   args=dict(h_ptr=inputs["h"], k_ptr=inputs["k"], v_ptr=inputs["v"], q_w_ptr=inputs["q_w"],
                             k_w_ptr=inputs["k_w"], out_ptr=out, D=problem.hidden, eps=float(inputs["eps"]),
-                            dot_scale=problem.hidden ** -0.5, HC=problem.streams,
-                            HC_PAD=next_power_of_2(problem.streams), BLOCK_D=config["block_d"]),
+                            dot_scale=problem.hidden ** -0.5, HC=problem.streams, HC_PER_PROGRAM=per_program,
+                            HC_PAD=next_power_of_2(per_program), BLOCK_D=config["block_d"]),
                   num_warps=config["num_warps"])
 
 
 # ---------------------------------------------------------------- spaces and defaults
 # Register model, measured with ptxas (sm_90a, Triton 3.9). Hash: the [block_tokens, columns] int64 tile; 32 values
 # per thread take 124-134 registers at 24 columns and 246 at 448 (8 orders x 64 heads), no spill. Lookup: the
-# [block_rows, 256] tile; 64 values per thread take 72 registers, 32 take 45. Gate: the [hc, block_d] tiles of h
-# and k; 64 values per thread take 122-165 registers up to 8 streams and 255 at 16, 32 take 54-128; 16 streams on
-# 8 warps spilled 16 B (at 32 and 64 values per thread), no other build spilled.
+# [block_rows, 256] tile; 64 values per thread take 72 registers, 32 take 45. Gate: the [streams a program,
+# block_d] tiles of h and k; 64 values per thread take 122-165 registers up to 8 streams and 255 at 16, 32 take
+# 54-128 (one stream: 96, and 56 at 16 values); 16 streams on 8 warps spilled 16 B (at 32 and 64 values per
+# thread), no other build spilled.
 WARPS = (1, 2, 4, 8)
 
 
@@ -273,24 +286,37 @@ def lookup_default(problem) -> dict:
 
 
 def _gate_values_per_thread(problem, config) -> int:
-    return next_power_of_2(problem.streams) * config["block_d"] // (32 * config["num_warps"])
+    return next_power_of_2(streams_per_program(problem, config)) * config["block_d"] // (32 * config["num_warps"])
 
 
 GATE_SPACE = Space(
-    params={"block_d": tuple(2**e for e in range(8, 14)), "num_warps": WARPS},
+    params={"block_d": tuple(2**e for e in range(8, 14)), "num_warps": WARPS, "stream_programs": (0, 1)},
     gpu_only=("num_warps",),
     constraints={"block_d < 2 x D unless 256 (more would repeat a smaller config)":
-                 lambda p, c: c["block_d"] == 256 or c["block_d"] < 2 * p.hidden},
-    limits={"hc x block_d / threads <= 64 (registers)": lambda p, c: _gate_values_per_thread(p, c) <= 64,
-            "hc <= 8 on 8 warps (16 streams spilled 16 B at 32 and 64 values per thread)":
-                lambda p, c: c["num_warps"] < 8 or p.streams <= 8},
+                 lambda p, c: c["block_d"] == 256 or c["block_d"] < 2 * p.hidden,
+                 "stream_programs 0 at one stream (1 would repeat it)":
+                 lambda p, c: c["stream_programs"] == 0 or p.streams > 1},
+    limits={"streams a program x block_d / threads <= 64 (registers)":
+                lambda p, c: _gate_values_per_thread(p, c) <= 64,
+            "streams a program <= 8 on 8 warps (16 streams spilled 16 B at 32 and 64 values per thread)":
+                lambda p, c: c["num_warps"] < 8 or streams_per_program(p, c) <= 8},
 )
 
 
 def gate_default(problem) -> dict:
-    """GPU: 4 warps, chunks of 2048 columns, narrower from 4 streams on (hc x block_d = 4096: 32 values per
-    thread, 256 columns at 16 streams), no wider than D needs. Interpreter: D in one chunk (up to 8192)."""
+    """GPU, few tokens (under 3/4 of the SMs, or under the SMs from 8 streams on): a program per (token, stream),
+    chunks of up to 4096 columns on 4 warps (32 values per thread), 2048 once the programs outnumber 4 per SM (5
+    fit an SM at 96 registers, 9 at 56: fewer waves). The model (H200, D = 5120, 4 streams): 1.5 us at T = 1
+    against 5.3 us for a program per token, 2.8 us against 4.6 at T = 64; token programs win from about 110
+    tokens on (at 4 streams: they fill the SMs by then and request 1.5x fewer L2 bytes, the weights and v read once
+    a token). Otherwise a program per token: chunks of 2048 columns, narrower from 4 streams on (hc x block_d =
+    4096: 32 values per thread, 256 columns at 16 streams), no wider than D needs. Interpreter: a program per
+    token, D in one chunk (up to 8192)."""
     width = max(256, min(8192, next_power_of_2(problem.hidden)))
     if flashkern.triton_interpreted():
-        return {"block_d": width, "num_warps": 4}
-    return {"block_d": min(width, max(256, min(2048, 4096 // next_power_of_2(problem.streams)))), "num_warps": 4}
+        return {"block_d": width, "num_warps": 4, "stream_programs": 0}
+    if problem.tokens < (SMS if problem.streams >= 8 else 3 * SMS // 4):  # a stream a program (one stream: 0)
+        block_d = 4096 if problem.tokens * problem.streams <= 4 * SMS else 2048
+        return {"block_d": min(width, block_d), "num_warps": 4, "stream_programs": int(problem.streams > 1)}
+    return {"block_d": min(width, max(256, min(2048, 4096 // next_power_of_2(problem.streams)))), "num_warps": 4,
+            "stream_programs": 0}
