@@ -189,7 +189,8 @@ def lookup_args(problem: LookupProblem, inputs: dict, config: dict, fl: Flavour,
     tensors for a CUDA kernel, which reads the memory through UVA."""
     if problem.rows == 0:
         return None
-    table = host.cuda_view(inputs["table"], out.device) if problem.host else inputs["table"]
+    table = inputs["table"]
+    table = host.cuda_view(table, out.device) if table.device != out.device else table
     return [table, inputs["rows"].reshape(-1), fl.bf16_arg(out).view(-1, ROW_VALUES)]
 
 
