@@ -55,6 +55,14 @@ class Space:
 
     def check(self, problem, config: Config, target: str = "cuda") -> None:
         """Raise ValueError naming `config` if it has unknown keys, off-space values or breaks a constraint."""
+        self.check_points(config)
+        broken = self.violations(problem, config, target)
+        if broken:
+            raise ValueError(f"config {config} does not fit this problem on {target}: {'; '.join(broken)}")
+
+    def check_points(self, config: Config) -> None:
+        """Raise TypeError / ValueError naming `config` if it is not a dict of this space's keys and values (what
+        no problem changes)."""
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict of tuning parameters, got {type(config).__name__}")
         unknown = sorted(set(config) - set(self.params))
@@ -64,6 +72,3 @@ class Space:
         for name, value in config.items():
             if value not in self.params[name]:
                 raise ValueError(f"config[{name!r}] = {value!r} is not in the tuning space {self.params[name]}")
-        broken = self.violations(problem, config, target)
-        if broken:
-            raise ValueError(f"config {config} does not fit this problem on {target}: {'; '.join(broken)}")

@@ -31,6 +31,8 @@ from flashkern import device as devices
 from flashkern import registry
 from flashkern.autotune.store import StoreError
 
+KERNEL_BACKENDS = ("triton", "tilelang")  # every operator's implementations (tests/test_registry.py holds them to it)
+
 console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=True)  # tables fit; lines never hard-wrap
 AUTO_MARK = escape("  [auto]")  # rich would read a bare [auto] as markup and drop it
 
@@ -124,7 +126,7 @@ def cmd_bench(args) -> int:
     names = _with_preset(_op_names(args.ops), preset)
     records = model.current_records()
     info = devices.info(args.device)
-    backends = args.backends.split(",") if args.backends else None
+    backends = args.backends
     console.print(f"bench on {info.describe()}, preset {preset!r}: median time per call in µs ± IQR / median (GB/s of "
                   "the bytes the operator must move); interpreted Triton (CPU) is checked, not timed, unless "
                   "--time-interpreted (then marked *); on CUDA, device time from CUDA graphs (host time included "
@@ -225,6 +227,14 @@ def cmd_check(args) -> int:
     backends = [args.backend] if args.backend else [impl.name for impl in op.implementations]
     if args.config is not None and len(backends) != 1:
         raise SystemExit("--config needs --backend (a config belongs to one implementation)")
+    if args.config is not None:
+        if args.backend == "reference":
+            raise SystemExit("--config: the reference has no tuning space")
+        try:  # a config outside the space is a usage error, not a kernel failure to shrink
+            op.implementation(args.backend).space.check_points(args.config)
+        except (TypeError, ValueError) as exc:
+            print(f"flashkern check: error: --config: {exc}", file=sys.stderr)
+            return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     failed = False
     for backend in backends:
@@ -356,6 +366,35 @@ def _store(args):
     from flashkern.autotune.store import Store
 
     return Store(args.db)
+
+
+def _number(kind, low: float, strict: bool, what: str):
+    """An argparse type: a `kind` (int or float) above `low` (strictly when `strict`), else a one-line usage error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value < float("inf") or (strict and value == low):  # NaN fails the first test too
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 0, True, "a positive integer")
+count = _number(int, 0, False, "a count (an integer >= 0)")
+seconds = _number(float, 0.0, True, "a positive number of seconds")
+
+
+def backend_list(text: str) -> list[str]:
+    """--backends: kernel names, comma-separated."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in KERNEL_BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}: expected "
+                                         f"{' or '.join(KERNEL_BACKENDS)}, comma-separated")
+    return names
 
 
 def shape_list(text: str) -> list[tuple[int, ...]]:
@@ -495,6 +534,16 @@ def cmd_store(args) -> int:
         if not path.exists():
             console.print(f"no store at {path}")
             return 1
+        if not args.force:
+            try:
+                with stores.Store(path) as store:
+                    held = len(store.results())
+            except StoreError:
+                pass  # unreadable: what quarantine is for
+            else:
+                console.print(f"{path} is a readable store ({held} results): quarantine moves aside only a store that "
+                              "cannot be read; pass --force to move this one anyway")
+                return 1
         console.print(f"moved {path} aside to {stores.quarantine(path)}; the next tune starts a new store")
         return 0
     if not path.exists():
@@ -521,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", type=shape_list, default=None,
                    help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
                    "multi-dimensional as 64x128)")
-    p.add_argument("--backends", default=None, help="kernels to time besides the reference, comma-separated")
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per cell (default: 0.3)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--backends", type=backend_list, default=None,
+                   help="kernels to time besides the reference, comma-separated")
+    p.add_argument("--budget", type=seconds, default=0.3, help="seconds of timing per cell (default: 0.3)")
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads while timing (default: 1 on CPU, torch's on CUDA)")
     p.add_argument("--time-interpreted", action="store_true",
                    help="time interpreted Triton too (a correctness path on CPU, checked but not timed by default)")
@@ -533,9 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compile-check", help="build every implementation for sm_90a and report resources")
     p.add_argument("ops", nargs="*", help="operators (default: all)")
     p.add_argument("--preset", default="smoke", help="preset whose kernel specializations are built")
-    p.add_argument("--sample", type=int, default=2, help="sampled configs per implementation besides the default")
-    p.add_argument("--seed", type=int, default=0, help="seed of the config sample")
-    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--sample", type=count, default=2, help="sampled configs per implementation besides the default")
+    p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--impl", choices=("triton", "tilelang"), default=None, help="build one DSL's kernels only")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.set_defaults(func=cmd_compile_check)
@@ -546,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="implementation to check (default: each)")
     p.add_argument("--config", type=json.loads, default=None, help='a config of its tuning space, as JSON '
                    '(e.g. \'{"block_t": 4, "num_warps": 4}\'); cases it does not apply to are skipped')
-    p.add_argument("--examples", type=int, default=50, help="cases to draw (default: 50)")
-    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default: 0)")
+    p.add_argument("--examples", type=positive_int, default=50, help="cases to draw (default: 50)")
+    p.add_argument("--seed", type=count, default=0, help="hypothesis seed (default: 0)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--save-dir", default=".", help="where a failing case too large to inline is saved (default: .)")
     p.set_defaults(func=cmd_check)
@@ -555,10 +605,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("model", help="predicted time and roofline fraction per kernel on a GPU (a model)")
     p.add_argument("ops", nargs="*", help="operators (default: all that have the preset)")
     p.add_argument("--preset", default="v41-flash", help="shape preset (default: v41-flash)")
-    p.add_argument("--device", default="h200", choices=("h200", "h100", "b200"), help="GPU modelled (default: h200)")
-    p.add_argument("--sample", type=int, default=0, help="sampled configs per implementation besides the default")
-    p.add_argument("--seed", type=int, default=0, help="seed of the config sample")
-    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--device", default="h200", choices=("h200", "gh200", "h100", "b200"), help="GPU modelled (default: h200)")
+    p.add_argument("--sample", type=count, default=0, help="sampled configs per implementation besides the default")
+    p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--json", help="also write the rows (with every stage) to this JSON file")
     p.add_argument("--markdown", help="also write the default configs' rows as a Markdown table to this file")
     p.set_defaults(func=cmd_model)
@@ -573,13 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", type=shape_list, default=None,
                    help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
                    "multi-dimensional as 64x128)")
-    p.add_argument("--budget", type=float, default=0.2,
+    p.add_argument("--budget", type=seconds, default=0.2,
                    help="seconds of timing per candidate per pass of rounds (default: 0.2)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads while timing, stored with each result (default: 1 on CPU, torch's on CUDA)")
-    p.add_argument("--max-configs", type=int, default=24, help="configs per implementation and shape (0: all)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel build processes (default: CPU count)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the config sample")
+    p.add_argument("--max-configs", type=count, default=24, help="configs per implementation and shape (0: all)")
+    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
+    p.add_argument("--seed", type=count, default=0, help="seed of the inputs and the config sample")
     store_options(p)
     p.set_defaults(func=cmd_tune)
 
@@ -606,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("store", help="the tuning store: info, or quarantine an unreadable one")
     p.add_argument("action", choices=("info", "quarantine"))
+    p.add_argument("--force", action="store_true", help="quarantine: move the store aside even if it is readable")
     p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
     p.set_defaults(func=cmd_store)
 

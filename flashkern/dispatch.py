@@ -170,7 +170,8 @@ class CallSite:
     def find(self, inputs: dict, backend: str, config: dict | None) -> tuple[Plan | None, tuple | None]:
         """(cached plan or None, key or None when an argument is unhashable: the checks will name it)."""
         values = self.arguments(inputs)
-        key = (backend, None if config is None else tuple(sorted(config.items())), values[len(self.tensor_names):],
+        key = (backend, tuple(sorted(config.items())) if isinstance(config, dict) else config,  # not a dict: refused
+               values[len(self.tensor_names):],
                tuple(map(type, values[self.required:])))  # classes: True is not 1; which optional tensors are None
         try:
             found = self.plans.get(key)

@@ -102,6 +102,54 @@ def test_shapes_with_the_wrong_number_of_sizes_are_refused(tmp_path):
     assert not (tmp_path / "t.sqlite3").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["check", "moe_route", "--examples", "-3"], "argument --examples: '-3' is not a positive integer"),
+    (["check", "moe_route", "--seed", "x"], "argument --seed: 'x' is not a count (an integer >= 0)"),
+    (["tune", "moe_route", "--max-configs", "-2"], "argument --max-configs: '-2' is not a count (an integer >= 0)"),
+    (["tune", "moe_route", "--budget", "0"], "argument --budget: '0' is not a positive number of seconds"),
+    (["bench", "moe_route", "--budget", "-1"], "argument --budget: '-1' is not a positive number of seconds"),
+    (["bench", "moe_route", "--budget", "nan"], "argument --budget: 'nan' is not a positive number of seconds"),
+    (["bench", "moe_route", "--budget", "inf"], "argument --budget: 'inf' is not a positive number of seconds"),
+    (["bench", "moe_route", "--threads", "0"], "argument --threads: '0' is not a positive integer"),
+    (["bench", "moe_route", "--backends", "cuda_magic"],
+     "argument --backends: unknown backend 'cuda_magic': expected triton or tilelang, comma-separated"),
+    (["compile-check", "moe_route", "--jobs", "0"], "argument --jobs: '0' is not a positive integer"),
+    (["model", "--sample", "-1"], "argument --sample: '-1' is not a count (an integer >= 0)"),
+])
+def test_numbers_and_names_out_of_range_are_one_line_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(message) and "Traceback" not in err
+
+
+def test_a_config_outside_the_space_is_a_usage_error_not_a_failure_to_shrink(tmp_path, capsys):
+    assert main(["check", "moe_route", "--backend", "triton", "--config", '{"bogus": 1}', "--save-dir",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashkern check: error: --config: config: unknown keys ['bogus']") and not list(
+        tmp_path.iterdir())
+
+
+def test_store_quarantine_refuses_a_readable_store_unless_forced(tmp_path, capsys):
+    """A store `store info` can read is not moved aside (that would look like losing it) unless --force; an
+    unreadable one is."""
+    from flashkern.autotune import store as stores
+
+    good = tmp_path / "good.sqlite3"
+    with stores.Store(good):
+        pass
+    assert main(["store", "quarantine", "--db", str(good)]) == 1
+    assert "is a readable store (0 results)" in capsys.readouterr().out and good.exists()
+    assert main(["store", "quarantine", "--db", str(good), "--force"]) == 0
+    assert not good.exists() and list(tmp_path.glob("good.sqlite3.unreadable-*"))
+    bad = tmp_path / "bad.sqlite3"
+    bad.write_bytes(b"not a database")
+    assert main(["store", "quarantine", "--db", str(bad)]) == 0
+    assert not bad.exists()
+
+
 def test_store_info_on_a_missing_path_creates_nothing(tmp_path, capsys):
     missing = tmp_path / "typo" / "store.sqlite3"
     assert main(["store", "info", "--db", str(missing)]) == 1

@@ -149,3 +149,10 @@ def test_narrow_profiles_draw_the_presets_specializations_and_wide_ones_every_ki
     narrow_specs, wide_specs = _specializations_drawn(op, "ci", 20), _specializations_drawn(op, "thorough", 20)
     assert narrow_specs and narrow_specs <= pool
     assert wide_specs - pool
+
+
+@pytest.mark.parametrize("config", ["notadict", [("block_t", 4)], 3])
+def test_a_config_that_is_not_a_dict_is_named(config):
+    logits = torch.randn(3, 384)
+    with pytest.raises(TypeError, match="^config must be a dict of tuning parameters, got "):
+        flashkern.ops.moe_route(logits, torch.zeros(384), top_k=6, backend="triton", config=config)
