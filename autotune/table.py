@@ -9,6 +9,7 @@ loaded; stale ones stay in the store, unused. Tables export to and import from J
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -79,9 +80,22 @@ def export_json(decisions: list[st.Decision], device_key: str) -> str:
 
 def import_json(store: st.Store, text: str) -> int:
     """Store the decisions of an exported table (they apply where device and versions match); returns how many."""
-    data = json.loads(text)
-    if data.get("format") != FORMAT:
-        raise ValueError(f"not a flashkern table (format {data.get('format')!r}, expected {FORMAT!r})")
-    for entry in data["entries"]:
-        store.decide(st.Decision(**{**entry, "sizes": tuple(entry["sizes"])}))
-    return len(data["entries"])
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"not a flashkern table (format {found!r}, expected {FORMAT!r})")
+    fields = dataclasses.fields(st.Decision)
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    decisions = []
+    for i, entry in enumerate(data.get("entries", [])):
+        missing = [name for name in required if not isinstance(entry, dict) or name not in entry]
+        if missing:
+            raise ValueError(f"entry {i} lacks {', '.join(missing)} (written by another flashkern?); nothing imported")
+        given = {f.name: entry[f.name] for f in fields if f.name in entry}
+        decisions.append(st.Decision(**{**given, "sizes": tuple(entry["sizes"])}))
+    for decision in decisions:
+        store.decide(decision)
+    return len(decisions)

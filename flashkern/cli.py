@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 from rich.console import Console
 from rich.markup import escape
@@ -81,6 +82,8 @@ def cmd_explain(args) -> int:
     from flashkern.dispatch import explain, reload_tables
 
     if args.db:  # the tables auto reads come from the default store: point it there
+        if not os.path.exists(args.db):
+            raise SystemExit(f"no store at {args.db}: `flashkern tune` makes one, --db names another")
         os.environ[stores.ENV_VAR] = args.db
         reload_tables()
     info = devices.info(args.device)
@@ -362,10 +365,30 @@ def cmd_model(args) -> int:
     return 0 if all(r.prediction for r in rows) else 1
 
 
-def _store(args):
-    from flashkern.autotune.store import Store
+def _store(args, create: bool = False):
+    """The store --db names (else the default one). A verb that only reads (create False) refuses a path where no
+    store is, naming it, instead of creating an empty store there and finding nothing in it."""
+    from flashkern.autotune import store as stores
 
-    return Store(args.db)
+    path = stores.Path(args.db) if args.db else stores.default_path()
+    if not create and not path.exists():
+        raise SystemExit(f"no store at {path}: `flashkern tune` makes one, --db names another")
+    return stores.Store(path)
+
+
+def device_name(text: str) -> str:
+    """--device: cpu, or cuda (with an index) where this torch has CUDA."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: expected cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: flashkern runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no usable CUDA device (torch {torch.__version__})")
+    return text
 
 
 def _number(kind, low: float, strict: bool, what: str):
@@ -430,7 +453,7 @@ def cmd_tune(args) -> int:
 
     op = registry.get(_op_names([args.op])[0])
     problems = _problems(op, args)
-    with _store(args) as store, Progress(TextColumn("{task.description}"), BarColumn(),
+    with _store(args, create=True) as store, Progress(TextColumn("{task.description}"), BarColumn(),
                                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                                          TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task(f"tuning {op.name}", total=None)
@@ -454,9 +477,18 @@ def cmd_table(args) -> int:
 
     op = registry.get(_op_names([args.op])[0])
     info = devices.info(args.device)
-    with _store(args) as store:
-        if getattr(args, "import_file", None):
-            count = tables.import_json(store, Path(args.import_file).read_text())
+    text, import_file = None, getattr(args, "import_file", None)  # tune shows its table through here: no such flags
+    if import_file:
+        try:
+            text = Path(import_file).read_text()
+        except OSError as exc:
+            raise SystemExit(f"--import: cannot read {import_file}: {exc.strerror}") from None
+    with _store(args, create=text is not None) as store:
+        if text is not None:
+            try:
+                count = tables.import_json(store, text)
+            except ValueError as exc:
+                raise SystemExit(f"--import: {import_file}: {exc}") from None
             console.print(f"imported {count} decisions into {store.path}")
         current = tables.current_decisions(store, info.key, op.name)
         stale = len(store.decisions(op.name, info.key)) - len(current)
@@ -566,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="time every backend at a preset's shapes")
     p.add_argument("ops", nargs="*", help="operators (default: all)")
     p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--shapes", type=shape_list, default=None,
                    help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
                    "multi-dimensional as 64x128)")
@@ -598,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                    '(e.g. \'{"block_t": 4, "num_warps": 4}\'); cases it does not apply to are skipped')
     p.add_argument("--examples", type=positive_int, default=50, help="cases to draw (default: 50)")
     p.add_argument("--seed", type=count, default=0, help="hypothesis seed (default: 0)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--save-dir", default=".", help="where a failing case too large to inline is saved (default: .)")
     p.set_defaults(func=cmd_check)
 
@@ -615,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def store_options(p):
         p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
-        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+        p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
 
     p = sub.add_parser("tune", help="measure every implementation and config per shape into the store")
     p.add_argument("op")
@@ -661,11 +693,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_store)
 
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
+    with warnings.catch_warnings():  # library warnings (an unreadable store, say) as one line each, no source line
+        warnings.showwarning = lambda message, category, *_, **__: console.print(
+            f"[yellow]{category.__name__}[/yellow]: {escape(str(message))}")
+        try:
+            return args.func(args)
+        except StoreError as exc:
+            console.print(f"[red]{exc}[/red]")
+            return 2
 
 
 if __name__ == "__main__":

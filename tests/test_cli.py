@@ -132,6 +132,46 @@ def test_a_config_outside_the_space_is_a_usage_error_not_a_failure_to_shrink(tmp
         tmp_path.iterdir())
 
 
+def test_bad_files_stores_and_devices_are_named_in_one_line(tmp_path, capsys):
+    """--import of a missing file, of a non-JSON file, of another format, of entries without their fields; report,
+    table and explain on a store path that does not exist (nothing created there); devices flashkern does not run
+    on. Each a message naming it, no traceback."""
+    db = str(tmp_path / "t.sqlite3")
+    (tmp_path / "n.json").write_text("notjson")
+    (tmp_path / "f.json").write_text('{"format": 1}')
+    (tmp_path / "e.json").write_text('{"format": "flashkern-table-1", "entries": [{"op": "moe_route"}]}')
+    cases = [
+        (["table", "moe_route", "--import", str(tmp_path / "missing.json"), "--db", db],
+         "--import: cannot read .*missing.json: No such file or directory"),
+        (["table", "moe_route", "--import", str(tmp_path / "n.json"), "--db", db], r"n\.json: not JSON"),
+        (["table", "moe_route", "--import", str(tmp_path / "f.json"), "--db", db], "not a flashkern table"),
+        (["table", "moe_route", "--import", str(tmp_path / "e.json"), "--db", db],
+         "entry 0 lacks shape, dtypes, .*; nothing imported"),
+        (["report", "moe_route", "--db", str(tmp_path / "no" / "x.sqlite3")], "^no store at .*x.sqlite3"),
+        (["table", "moe_route", "--db", str(tmp_path / "no" / "x.sqlite3")], "^no store at .*x.sqlite3"),
+        (["explain", "moe_route", "--db", str(tmp_path / "no" / "x.sqlite3")], "^no store at .*x.sqlite3"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            main(argv)
+    assert not (tmp_path / "no").exists()
+    for device, message in (("tpu", "'tpu' is not a device: expected cpu or cuda"),
+                            ("meta", "'meta': flashkern runs on cpu or cuda")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "moe_route", "--device", device])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_library_warning_is_one_line(tmp_path, capsys):
+    """explain on an unreadable store: the dispatcher's warning as one line, without Python's source line."""
+    bad = tmp_path / "bad.sqlite3"
+    bad.write_bytes(b"not a database")
+    assert main(["explain", "moe_route", "--db", str(bad)]) == 0
+    out = capsys.readouterr().out
+    warning = [line for line in out.splitlines() if "RuntimeWarning" in line]
+    assert len(warning) == 1 and "warnings.warn" not in out
+
+
 def test_store_quarantine_refuses_a_readable_store_unless_forced(tmp_path, capsys):
     """A store `store info` can read is not moved aside (that would look like losing it) unless --force; an
     unreadable one is."""
