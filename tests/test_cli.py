@@ -162,11 +162,19 @@ def test_bad_files_stores_and_devices_are_named_in_one_line(tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_library_warning_is_one_line(tmp_path, capsys):
-    """explain on an unreadable store: the dispatcher's warning as one line, without Python's source line."""
+def test_a_library_warning_is_one_line(tmp_path, capsys, monkeypatch):
+    """explain on an unreadable store: the dispatcher's warning as one line, without Python's source line. (explain
+    points the process's default store at --db: the environment and the dispatch tables are restored after.)"""
+    from flashkern.autotune import store as stores
+
     bad = tmp_path / "bad.sqlite3"
     bad.write_bytes(b"not a database")
-    assert main(["explain", "moe_route", "--db", str(bad)]) == 0
+    monkeypatch.setenv(stores.ENV_VAR, str(bad))
+    try:
+        assert main(["explain", "moe_route", "--db", str(bad)]) == 0
+    finally:
+        monkeypatch.undo()
+        dispatch.reload_tables()
     out = capsys.readouterr().out
     warning = [line for line in out.splitlines() if "RuntimeWarning" in line]
     assert len(warning) == 1 and "warnings.warn" not in out
