@@ -15,5 +15,6 @@ ROOTS = {
 
 setup(
     package_dir=ROOTS,
+    py_modules=["flashkern_cli"],  # the command line's front door (flashkern_cli.py): no heavy imports
     packages=[f"{name}.{sub}" if sub else name for name, folder in ROOTS.items() for sub in ["", *find_packages(folder)]],
 )

@@ -61,15 +61,14 @@ def _common_words(shapes: list[str]) -> str:
 def plot(shape_rows: list[ShapeRow], backends, title: str, path: str, modelled: dict | None = None) -> None:
     """Time per backend against size, one panel per specialization (log-log), as a PNG; dashed, the performance
     model's predicted H200 time per kernel (`modelled`: backend -> shape key -> seconds) at the shapes it covers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend chosen, nothing global changed
 
     groups: dict[str, list[ShapeRow]] = {}
     for row in shape_rows:
         groups.setdefault(row.spec, []).append(row)
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(groups), 4.2))
+    axes = fig.subplots(1, len(groups), squeeze=False)
     for ax, rows_ in zip(axes[0], groups.values()):
         shared = _common_words([r.shape for r in rows_])
         for backend, marker in zip(backends, "os^vD"):
@@ -83,6 +82,9 @@ def plot(shape_rows: list[ShapeRow], backends, title: str, path: str, modelled: 
                         label=f"{backend}, H200 model")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        for axis, base in ((ax.xaxis, 2), (ax.yaxis, 10)):  # plain tick labels: mathtext's are most of the plot's time
+            axis.set_major_formatter(ticker.LogFormatter(base=base, labelOnlyBase=False))
+            axis.set_minor_formatter(ticker.LogFormatter(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
         ax.set_xlabel(" ".join(w for w in rows_[0].shape.split() if w not in shared.split()).split("=")[0] or "size")
         ax.set_ylabel("µs per call (best config)")
         ax.set_title(shared, fontsize=9)
@@ -91,4 +93,3 @@ def plot(shape_rows: list[ShapeRow], backends, title: str, path: str, modelled: 
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

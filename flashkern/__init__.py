@@ -6,7 +6,9 @@ Public entry points live in `flashkern.ops`; the registry in `flashkern.registry
 
 Importing flashkern decides how Triton kernels run, before any kernel is defined:
 natively on CUDA, or under Triton's interpreter where no GPU is present. An explicit
-TRITON_INTERPRET in the environment always wins.
+TRITON_INTERPRET in the environment always wins. It then registers every operator, so that
+torch.ops.flashkern.<name> exists for an engine that calls it (or loads a compiled graph naming it)
+without touching flashkern.ops; no kernel is compiled until a call needs it.
 """
 
 import contextlib
@@ -52,3 +54,6 @@ def planning_for_gpu():
 
 
 from flashkern.checks import checked, checked_mode  # noqa: E402  (after the Triton mode is decided)
+from flashkern import registry  # noqa: E402
+
+registry.operators()  # the custom ops: torch.ops.flashkern.<name> (flashkern.library)

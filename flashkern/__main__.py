@@ -1,5 +1,5 @@
 import sys
 
-from flashkern.cli import main
+from flashkern_cli import main
 
 sys.exit(main())

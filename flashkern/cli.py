@@ -1,22 +1,7 @@
-"""The flashkern command line.
-
-  flashkern list                         operators, and which implementations run here (and why not)
-  flashkern bench [OP ...] [--preset P]  time every backend at a preset's shapes (default: smoke)
-  flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
-  flashkern check OP [--backend B]       property-based equivalence of one kernel (and --config) with the
-                                         reference; a failure shrunk to a runnable snippet
-  flashkern model [OP ...] [--preset P]  predicted H200 time and roofline fraction per kernel (a model; bench
-                                         and report show the saved one, docs/model-h200.json)
-  flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
-  flashkern table OP                     what backend="auto" runs per shape here; --export / --import JSON
-  flashkern explain OP [--shapes 1,37]   what backend="auto" runs per shape here, and why
-  flashkern report OP                    per-shape comparison of the stored results, and a PNG plot
-  flashkern store info|quarantine        where the tuning store is and what it holds; move a broken one aside
-"""
+"""The flashkern command line's verbs (flashkern_cli parses their arguments; `flashkern --help` lists them)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -32,7 +17,6 @@ from flashkern import device as devices
 from flashkern import registry
 from flashkern.autotune.store import StoreError
 
-KERNEL_BACKENDS = ("triton", "tilelang")  # every operator's implementations (tests/test_registry.py holds them to it)
 
 console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=True)  # tables fit; lines never hard-wrap
 AUTO_MARK = escape("  [auto]")  # rich would read a bare [auto] as markup and drop it
@@ -376,62 +360,6 @@ def _store(args, create: bool = False):
     return stores.Store(path)
 
 
-def device_name(text: str) -> str:
-    """--device: cpu, or cuda (with an index) where this torch has CUDA."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device: expected cpu or cuda") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: flashkern runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no usable CUDA device (torch {torch.__version__})")
-    return text
-
-
-def _number(kind, low: float, strict: bool, what: str):
-    """An argparse type: a `kind` (int or float) above `low` (strictly when `strict`), else a one-line usage error."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not low <= value < float("inf") or (strict and value == low):  # NaN fails the first test too
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, 0, True, "a positive integer")
-count = _number(int, 0, False, "a count (an integer >= 0)")
-seconds = _number(float, 0.0, True, "a positive number of seconds")
-
-
-def backend_list(text: str) -> list[str]:
-    """--backends: kernel names, comma-separated."""
-    names = [name.strip() for name in text.split(",")]
-    unknown = [name for name in names if name not in KERNEL_BACKENDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}: expected "
-                                         f"{' or '.join(KERNEL_BACKENDS)}, comma-separated")
-    return names
-
-
-def shape_list(text: str) -> list[tuple[int, ...]]:
-    """--shapes: comma-separated shapes, each a positive size or several joined by 'x' (64x128)."""
-    shapes = []
-    for item in text.split(","):
-        parts = item.strip().split("x")
-        if not all(part.isdigit() and int(part) > 0 for part in parts):
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not a shape: expected positive integers, "
-                                             "comma-separated (1,7,300), several per shape joined by x (64x128)")
-        shapes.append(tuple(int(part) for part in parts))
-    return shapes
-
-
 def _problems(op, args) -> list:
     """The preset's problems, or with --shapes, those sizes for each of the preset's specializations."""
     problems = list(op.presets[_preset([op.name], args.preset)])
@@ -495,7 +423,9 @@ def cmd_table(args) -> int:
         if getattr(args, "export", None):
             Path(args.export).write_text(tables.export_json(current, info.key))
             console.print(f"exported {len(current)} decisions to {args.export}")
-    table = Table(title=f"{op.name}: backend='auto' on {info.describe()}", title_justify="left")
+    table = Table(title=f"{op.name}: backend='auto' on {info.describe()}; µs: the winner's median when decided (its "
+                  "leaders re-timed together; `flashkern report` shows each backend's best time from the sweep)",
+                  title_justify="left")
     for col in ("shape", "backend", "config", "µs", "why"):
         table.add_column(col, justify="right" if col == "µs" else "left")
     for d in sorted(current, key=lambda d: (d.spec, d.sizes)):
@@ -504,6 +434,14 @@ def cmd_table(args) -> int:
     console.print("untuned shapes: nearest tuned bucket of the same specialization, else the default rule"
                   + (f"; {stale} stale decisions (other versions) ignored" if stale else ""))
     return 0
+
+
+def _decided(decision, best: dict) -> str:
+    """The auto column of a report: the decided backend, its re-timed median, and its config where that is not the
+    backend's best in the sweep (the decision keeps the simplest of configs within noise)."""
+    swept = best.get(decision.impl)
+    other = swept is not None and swept.key.config != decision.config
+    return f"{decision.impl} {_us(decision.median)}" + (f" {decision.config}" if other else "")
 
 
 def cmd_report(args) -> int:
@@ -522,9 +460,10 @@ def cmd_report(args) -> int:
         console.print(f"no current results for {op.name} on {info.describe()}: run `flashkern tune {op.name}` first")
         return 1
     bandwidth = info.mem_bandwidth
-    table = Table(title=f"{op.name} on {info.describe()}: best config per backend, median µs per call ± IQR / median"
-                  + (f" (% of the {bandwidth / 1e9:.0f} GB/s memory roofline)" if bandwidth else ""),
-                  title_justify="left")
+    table = Table(title=f"{op.name} on {info.describe()}: best config per backend in the sweep, median µs per call ± "
+                  "IQR / median" + (f" (% of the {bandwidth / 1e9:.0f} GB/s memory roofline)" if bandwidth else "")
+                  + "; auto: the decision and its median when decided (its leaders re-timed together, as "
+                  "`flashkern table` shows it)", title_justify="left")
     table.add_column("shape", no_wrap=True, min_width=max(len(row.shape) for row in shape_rows))  # copyable keys
     table.add_column("moves", justify="right")
     for backend in op.backends:
@@ -542,7 +481,7 @@ def cmd_report(args) -> int:
         ref, kernels = row.best.get("reference"), [r for b, r in row.best.items() if b != "reference"]
         best = min(kernels, key=lambda r: r.median) if kernels else None
         speedup = f"{best.key.impl} {ref.median / best.median:.2f}x" if best and ref else "—"
-        auto = row.decision.impl if row.decision else "—"
+        auto = _decided(row.decision, row.best) if row.decision else "—"
         table.add_row(row.shape, _size(row.bytes), *cells, speedup, auto, _modelled(records, op, row.shape))
     console.print(table)
     failed = [r for row in shape_rows for r in row.failed]
@@ -588,120 +527,18 @@ def cmd_store(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashkern", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("list", help="operators and where their implementations run")
-    p.set_defaults(func=cmd_list)
-
-    p = sub.add_parser("bench", help="time every backend at a preset's shapes")
-    p.add_argument("ops", nargs="*", help="operators (default: all)")
-    p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
-    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--shapes", type=shape_list, default=None,
-                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
-                   "multi-dimensional as 64x128)")
-    p.add_argument("--backends", type=backend_list, default=None,
-                   help="kernels to time besides the reference, comma-separated")
-    p.add_argument("--budget", type=seconds, default=0.3, help="seconds of timing per cell (default: 0.3)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads while timing (default: 1 on CPU, torch's on CUDA)")
-    p.add_argument("--time-interpreted", action="store_true",
-                   help="time interpreted Triton too (a correctness path on CPU, checked but not timed by default)")
-    p.add_argument("--json", help="also write the rows to this JSON file")
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("compile-check", help="build every implementation for sm_90a and report resources")
-    p.add_argument("ops", nargs="*", help="operators (default: all)")
-    p.add_argument("--preset", default="smoke", help="preset whose kernel specializations are built")
-    p.add_argument("--sample", type=count, default=2, help="sampled configs per implementation besides the default")
-    p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
-    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
-    p.add_argument("--impl", choices=("triton", "tilelang"), default=None, help="build one DSL's kernels only")
-    p.add_argument("--json", help="also write the results to this JSON file")
-    p.set_defaults(func=cmd_compile_check)
-
-    p = sub.add_parser("check", help="property-based equivalence of one kernel with the reference")
-    p.add_argument("op", help="operator")
-    p.add_argument("--backend", choices=("reference", "triton", "tilelang"), default=None,
-                   help="implementation to check (default: each)")
-    p.add_argument("--config", type=json.loads, default=None, help='a config of its tuning space, as JSON '
-                   '(e.g. \'{"block_t": 4, "num_warps": 4}\'); cases it does not apply to are skipped')
-    p.add_argument("--examples", type=positive_int, default=50, help="cases to draw (default: 50)")
-    p.add_argument("--seed", type=count, default=0, help="hypothesis seed (default: 0)")
-    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--save-dir", default=".", help="where a failing case too large to inline is saved (default: .)")
-    p.set_defaults(func=cmd_check)
-
-    p = sub.add_parser("model", help="predicted time and roofline fraction per kernel on a GPU (a model)")
-    p.add_argument("ops", nargs="*", help="operators (default: all that have the preset)")
-    p.add_argument("--preset", default="v41-flash", help="shape preset (default: v41-flash)")
-    p.add_argument("--device", default="h200", choices=("h200", "gh200", "h100", "b200"), help="GPU modelled (default: h200)")
-    p.add_argument("--sample", type=count, default=0, help="sampled configs per implementation besides the default")
-    p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
-    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
-    p.add_argument("--json", help="also write the rows (with every stage) to this JSON file")
-    p.add_argument("--markdown", help="also write the default configs' rows as a Markdown table to this file")
-    p.set_defaults(func=cmd_model)
-
-    def store_options(p):
-        p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
-        p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
-
-    p = sub.add_parser("tune", help="measure every implementation and config per shape into the store")
-    p.add_argument("op")
-    p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
-    p.add_argument("--shapes", type=shape_list, default=None,
-                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
-                   "multi-dimensional as 64x128)")
-    p.add_argument("--budget", type=seconds, default=0.2,
-                   help="seconds of timing per candidate per pass of rounds (default: 0.2)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads while timing, stored with each result (default: 1 on CPU, torch's on CUDA)")
-    p.add_argument("--max-configs", type=count, default=24, help="configs per implementation and shape (0: all)")
-    p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
-    p.add_argument("--seed", type=count, default=0, help="seed of the inputs and the config sample")
-    store_options(p)
-    p.set_defaults(func=cmd_tune)
-
-    p = sub.add_parser("table", help="what backend='auto' runs per shape on this device")
-    p.add_argument("op")
-    p.add_argument("--export", help="write this device's current decisions to a JSON file")
-    p.add_argument("--import", dest="import_file", help="store the decisions of an exported JSON table")
-    store_options(p)
-    p.set_defaults(func=cmd_table)
-
-    p = sub.add_parser("explain", help="what backend='auto' runs per shape here, and why")
-    p.add_argument("op")
-    p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
-    p.add_argument("--shapes", type=shape_list, default=None,
-                   help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300)")
-    store_options(p)
-    p.set_defaults(func=cmd_explain)
-
-    p = sub.add_parser("report", help="per-shape comparison of the stored results, and a PNG plot")
-    p.add_argument("op")
-    p.add_argument("--plot", default=None, help="PNG path (default: OP-DEVICE.png)")
-    store_options(p)
-    p.set_defaults(func=cmd_report)
-
-    p = sub.add_parser("store", help="the tuning store: info, or quarantine an unreadable one")
-    p.add_argument("action", choices=("info", "quarantine"))
-    p.add_argument("--force", action="store_true", help="quarantine: move the store aside even if it is readable")
-    p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
-    p.set_defaults(func=cmd_store)
-
-    args = parser.parse_args(argv)
+def run(args) -> int:
+    """Run the verb flashkern_cli parsed (`args.command`)."""
     with warnings.catch_warnings():  # library warnings (an unreadable store, say) as one line each, no source line
         warnings.showwarning = lambda message, category, *_, **__: console.print(
             f"[yellow]{category.__name__}[/yellow]: {escape(str(message))}")
         try:
-            return args.func(args)
+            return VERBS[args.command](args)
         except StoreError as exc:
             console.print(f"[red]{exc}[/red]")
             return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+VERBS = {"list": cmd_list, "bench": cmd_bench, "compile-check": cmd_compile_check, "check": cmd_check,
+         "model": cmd_model, "tune": cmd_tune, "table": cmd_table, "explain": cmd_explain, "report": cmd_report,
+         "store": cmd_store}

@@ -18,6 +18,7 @@ overhead budget (benchmarks/dispatch_overhead.py measures both).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import types
@@ -98,6 +99,12 @@ def schema(entry, mutates: str | None = None) -> tuple[str, type | None]:
     return f"({', '.join(parts)}) -> {returns}", result_type
 
 
+@functools.lru_cache(maxsize=256)
+def _config(text: str) -> dict:
+    """A config as the custom op's schema carries it (JSON), parsed once per distinct string; never mutated."""
+    return json.loads(text)
+
+
 def _as_result(value):
     return tuple(value) if isinstance(value, tuple) else value
 
@@ -113,20 +120,18 @@ def register(op) -> None:
     keywords = tuple(p.name for p in params if p.keyword_only)
     _LIBRARY.define(op.name + text)
 
-    def inputs_of(args, kwargs) -> tuple[dict, str, str | None]:
+    def inputs_of(args, kwargs) -> dict:
         """The dispatcher passes positional parameters positionally, keyword-only ones by name unless defaulted."""
-        backend, config = kwargs.pop("backend", "auto"), kwargs.pop("config", None)
         inputs = {**defaults, **kwargs}
         inputs.update(zip(names, args))
-        return inputs, backend, config
+        return inputs
 
-    def run(*args, **kwargs):
-        inputs, backend, config = inputs_of(args, kwargs)
-        result = dispatch.run(op, inputs, backend, None if config is None else json.loads(config))
+    def run(*args, backend="auto", config=None, **kwargs):
+        result = dispatch.run(op, inputs_of(args, kwargs), backend, None if config is None else _config(config))
         return None if op.mutates else _as_result(result)
 
-    def fake(*args, **kwargs):
-        inputs, backend, _ = inputs_of(args, kwargs)
+    def fake(*args, backend="auto", config=None, **kwargs):
+        inputs = inputs_of(args, kwargs)
         checks.choice("backend", backend, (*op.backends, "auto"))
         problem = op.check(inputs)
         return None if op.mutates else _as_result(op.empty_outputs(problem, inputs))

@@ -4,9 +4,14 @@ SMS = 132  # H100 / H200 SXM: the GPU default configs size their grids for this 
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n, for n >= 1 (triton.next_power_of_2 is a constexpr function costing
-    microseconds a call, too slow for tuning-space rules tried 10^5 times)."""
-    return 1 << (n - 1).bit_length()
+    """The smallest power of two >= n, 0 for 0 (as triton.next_power_of_2, a constexpr function costing
+    microseconds a host call: too slow for tuning-space rules tried 10^5 times and for launch plans made per call)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a >= 0, b > 0 (as triton.cdiv, also a constexpr function on the host)."""
+    return (a + b - 1) // b
 
 
 def split_plan(hidden: int, split_k: int, block_d: int) -> tuple[int, int]:

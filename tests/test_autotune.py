@@ -26,6 +26,7 @@ from flashkern.autotune import identity
 from flashkern.autotune import store as st
 from flashkern.autotune import table as tables
 from flashkern.autotune.tuner import Summary, Tuner
+from flashkern.cli import _us
 from flashkern.kernels.moe_route import V3, V41_FLASH, RouteProblem
 
 OP = registry.get("moe_route")
@@ -373,6 +374,17 @@ def test_report_compares_backends_and_writes_a_plot(tuned, tmp_path):
     for problem in SHAPES:
         assert problem.key in out
     assert "speedup" in out
+    table = _cli("table", "moe_route", "--db", str(path), db=path)
+    table_out, _ = table.communicate(timeout=300)
+    assert table.returncode == 0, table_out
+    with st.Store(path) as store:  # both show each decision's own (re-timed) median, and say which measurement
+        decided = store.decisions("moe_route", devices.info("cpu").key)
+    assert decided
+    for decision in decided:
+        shown = f"{decision.impl} {_us(decision.median)}"
+        assert shown in out, (shown, out)
+        assert re.search(rf"{decision.impl}\s.*{re.escape(_us(decision.median))}", table_out), (shown, table_out)
+    assert "re-timed" in out and "re-timed" in table_out
 
 
 def test_tune_command_prints_the_table_and_resumes(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import strategies as st
 
 from flashkern import check, registry
-from flashkern.cli import main
+from flashkern_cli import main
 
 CPU = torch.device("cpu")
 

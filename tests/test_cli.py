@@ -9,7 +9,7 @@ import pytest
 
 from flashkern import device as devices
 from flashkern import dispatch, registry
-from flashkern.cli import main
+from flashkern_cli import main
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
@@ -244,3 +244,28 @@ def test_dispatch_decisions_are_logged_once_per_problem():
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("flashkern: moe_route")]
     assert len(lines) == 1 and "reference" in lines[0] and "default rule on cpu" in lines[0], proc.stderr
+
+
+FRONT_DOOR = """
+import sys
+
+import flashkern_cli
+
+for argv in (["--help"], ["tune", "--help"], ["check", "moe_route", "--examples", "-3"], ["bench", "--budget", "nan"]):
+    try:
+        flashkern_cli.main(argv)
+    except SystemExit as exc:
+        assert exc.code in (0, 2), (argv, exc.code)
+    else:
+        raise AssertionError(f"{argv} ran a verb")
+heavy = sorted(name for name in ("torch", "triton", "tilelang", "flashkern", "rich") if name in sys.modules)
+assert not heavy, heavy
+"""
+
+
+def test_help_and_usage_errors_import_nothing_heavy():
+    """`flashkern --help` and a usage error answer before torch, Triton, TileLang or flashkern itself is imported
+    (a second or two on this machine; the front door alone takes a few hundredths)."""
+    proc = subprocess.run([sys.executable, "-c", FRONT_DOOR], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "flashkern tune OP" in proc.stdout  # the verbs' list is in the help

@@ -193,6 +193,76 @@ def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monke
     assert tempfile.tempdir == str(tmp_path) and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_c_compiles_skip_the_simplifier_only_when_asked(monkeypatch, fast):
+    """The simplifier skip is opt-in (FLASHKERN_FAST_C_BUILDS=1, the suite's setting): without it a C compile is
+    TileLang's own."""
+    import contextlib
+
+    import tilelang.language as T
+
+    from flashkern.kernels import _tilelang as tl
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(True)
+        yield
+
+    @T.prim_func
+    def add_two(a: T.Tensor((8,), "float32"), b: T.Tensor((8,), "float32")):
+        with T.Kernel(1) as _:
+            for i in T.serial(8):
+                b[i] = a[i] + 2.0
+
+    monkeypatch.setattr(tl, "_c_codegen_without_simplify", recording)
+    monkeypatch.setenv(tl.FAST_C_BUILDS_ENV, fast)
+    tl.compile_cpu(add_two)
+    assert entered == ([True] if fast == "1" else [])
+
+
+def test_the_c_wrapper_still_needs_the_stride_symbols(monkeypatch, tmp_path):
+    """TileLang 0.1.15's C host wrapper omits a strided tensor's stride symbols, so such a kernel does not compile
+    for C without `_c_wrapper_with_strides`, and with it runs right on a row-padded view. When a TileLang upgrade
+    declares the symbols itself, the first half fails: remove the workaround; when it changes the wrapper so the
+    workaround breaks, the second half fails."""
+    import random
+    import tempfile
+
+    import tilelang
+    import tilelang.language as T
+    import torch
+
+    from flashkern.kernels import _tilelang as tl
+
+    salt = float(random.randrange(1, 1 << 20))  # a source no earlier run compiled (TileLang's disk cache)
+
+    def program():
+        N = T.dynamic("N")
+
+        @T.prim_func
+        def scaled(a: tl.row_strided((N, 4), "float32", "a"), b: T.Tensor((N, 4), "float32")):
+            with T.Kernel(1) as _:
+                for i, j in T.grid(N, 4):
+                    b[i, j] = a[i, j] * salt
+
+        return scaled
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # TileLang's own compile leaves its files there
+    tilelang.disable_cache()
+    try:
+        with pytest.raises(RuntimeError, match=r"return scaled_kernel\(a, b, N\);"):  # the call omits a_stride0
+            tilelang.compile(program(), target="c", pass_configs=tl.CPU_PASS_CONFIGS)
+        kernel = tl.compile_cpu(program())
+    finally:
+        tilelang.enable_cache()
+    wide = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)
+    out = torch.empty(5, 4)
+    kernel(wide[:, :4], out)
+    assert torch.equal(out, wide[:, :4] * salt)
+
+
 @pytest.mark.parametrize("target, simplified", [("c", False), ("cuda", True)])
 def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, simplified):
     """Our C compiles skip the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large

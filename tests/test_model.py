@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashkern import model, registry
 from flashkern.autotune import identity
-from flashkern.cli import main
+from flashkern_cli import main
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton import traffic as triton_traffic
 from flashkern.kernels.build import BuildReport, Census, LaunchTraffic, TensorTraffic

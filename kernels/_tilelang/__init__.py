@@ -11,6 +11,10 @@ masks and reductions are the same code for both:
 The CPU build is real C compiled with -O2 and is what the equivalence tests run; the GPU
 flavour is lowered for sm_90a and compiled with nvcc by `build_sm90` so that GPU build
 breaks are caught on machines without a GPU.
+
+TileLang (and TVM under it) is imported when a TileLang kernel is first built, compiled or lowered, not when
+flashkern is: `T` here is `tilelang.language` loaded on its first attribute use, and the kernel modules take it
+from here (`from flashkern.kernels._tilelang import T`), so a process that runs only Triton never loads TVM.
 """
 
 from __future__ import annotations
@@ -23,14 +27,26 @@ import os
 import shutil
 import subprocess
 import tempfile
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
-import tilelang
-import tilelang.language as T
 import torch
 
-from flashkern.kernels._tilelang import codecs
+
+class LazyModule(types.ModuleType):
+    """A module imported on its first attribute use (the usual import, through sys.modules; nothing else changes)."""
+
+    def __getattr__(self, attribute: str):
+        module = importlib.import_module(self.__name__)
+        self.__dict__.update(vars(module))  # later lookups are plain attribute reads
+        return getattr(module, attribute)
+
+
+tilelang = LazyModule("tilelang")
+T = LazyModule("tilelang.language")
+
+from flashkern.kernels._tilelang import codecs  # noqa: E402  (codecs takes T from here)
 from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble, cached_report, source_digest
 
 
@@ -161,6 +177,7 @@ def _c_codegen_without_simplify():
     pass took 25-50% of a C compile here (paged_mqa_logits 3.2 -> 1.8 s, moe_route_gate 3.2 -> 1.7 s; the C
     sources are the same but for the few folds it made); a test run's C compiles went from 341 to 251 s of CPU.
     The C compiler (-O2) folds the same arithmetic. CUDA builds keep it: the sm_90a source is what GPU users get.
+    Opt-in (FAST_C_BUILDS_ENV=1; the test suite sets it): by default a C compile is TileLang's own.
     """
     from tvm import transform
     from tvm.ir.instrument import pass_instrument
@@ -204,11 +221,25 @@ def _quiet_tilelang():
         tilelang_log.setLevel(level)
 
 
+def placeholder(shape: tuple, dtype: torch.dtype, device, fill: int = 0) -> torch.Tensor:
+    """A tensor filled with `fill` for an argument whose input is absent (no bias, no sink, no window cache): made
+    once per (shape, dtype, device, fill) and shared by every call, so no kernel may write it."""
+    return _placeholder(tuple(shape), dtype, torch.device(device), fill)
+
+
+@functools.cache
+def _placeholder(shape: tuple, dtype: torch.dtype, device: torch.device, fill: int) -> torch.Tensor:
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 def row_strided(shape: tuple, dtype: str, name: str):
     """A global tensor [shape] whose leading dimensions have run-time strides (named `<name>_stride<i>`) and whose
     last dimension is unit-stride: what an argument checked with `checks.tensor(..., strided=True)` may be."""
     strides = tuple(T.dynamic(f"{name}_stride{i}") for i in range(len(shape) - 1)) + (1,)
     return T.StridedTensor(shape, strides, dtype)
+
+
+FAST_C_BUILDS_ENV = "FLASHKERN_FAST_C_BUILDS"  # "1": C compiles skip the simplifier (_c_codegen_without_simplify)
 
 
 def compile_cpu(prim_func):
@@ -217,9 +248,12 @@ def compile_cpu(prim_func):
     TileLang 0.1.15 writes the C source and library of each compile to the temporary folder and never removes them
     (thousands of files after a test run); they are written to a folder of ours, removed once the library is loaded
     and copied to TileLang's cache. The folder is set through `tempfile.tempdir`, a process-wide setting: compiles
-    must not run on several threads of one process at once (ours run one per process)."""
+    must not run on several threads of one process at once (ours run one per process).
+    With FLASHKERN_FAST_C_BUILDS=1 in the environment (the test suite's setting) the compile skips TileLang's last
+    simplifier pass (_c_codegen_without_simplify: the same kernel, built in two thirds of the time)."""
+    fast = os.environ.get(FAST_C_BUILDS_ENV, "0") not in ("", "0")
     with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder, _quiet_tilelang(), \
-            _c_wrapper_with_strides(), _c_codegen_without_simplify():
+            _c_wrapper_with_strides(), _c_codegen_without_simplify() if fast else contextlib.nullcontext():
         shared_default, tempfile.tempdir = tempfile.tempdir, folder
         try:
             return tilelang.compile(prim_func, target="c", pass_configs=CPU_PASS_CONFIGS,
@@ -409,8 +443,10 @@ class TileLangKernel:
         funcs = self.programs(problem, config, GPU, self.layout_of(inputs))
         stage_args = self._stage_arguments(problem, inputs, config, GPU, out, len(funcs))
         earlier = _EarlierStages(self, problem, inputs, config, out, len(funcs))
+        from flashkern.kernels._tilelang import traffic as counter  # an instrument (TVM passes): loaded when used
+
         return tuple(NO_TRAFFIC if args is None else
-                     traffic.measure(func, list(args), self.gpu_pass_configs, functools.partial(earlier.values, i))
+                     counter.measure(func, list(args), self.gpu_pass_configs, functools.partial(earlier.values, i))
                      for i, (func, args) in enumerate(zip(funcs, stage_args)))
 
     def unavailable(self, device) -> str | None:
@@ -443,8 +479,3 @@ class _EarlierStages:
                 self.kernel._compile(func, CPU)(*args)
         self.ran = stage
         return [arg if isinstance(arg, torch.Tensor) else None for arg in self.args[stage] or ()]
-
-
-# The traffic counters use this module's records; imported here, not on first use, so that what a kernel's source
-# version covers (flashkern.autotune.identity) does not depend on whether the model ran in the process.
-from flashkern.kernels._tilelang import traffic  # noqa: E402

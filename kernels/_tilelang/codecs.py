@@ -31,7 +31,7 @@ denormal input flushed to zero under CUDA fast math still gets its correct code,
 
 import functools  # no `from __future__ import annotations`: T.prim_func evaluates the annotations
 
-import tilelang.language as T
+from flashkern.kernels._tilelang import T  # tilelang.language, loaded on first use (set before codecs is imported)
 
 _ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
@@ -82,7 +82,7 @@ def _encode_magnitude(a, man: int, bias: int):
 # ---------------------------------------------------------------------------- float8 e4m3fn
 
 _E4M3_MAX = 0x43E00000  # 448.0
-_E4M3_REBIAS = T.float32(2.0**120)  # 2^(127 - 7): fp32's exponent bias over e4m3's
+_E4M3_REBIAS = 2.0**120  # 2^(127 - 7): fp32's exponent bias over e4m3's
 
 
 def e4m3_to_f32(bits):
@@ -91,7 +91,7 @@ def e4m3_to_f32(bits):
     2^120 (a subnormal e4m3 passes through the fp32 subnormals, which the multiply keeps: no flush to zero on
     either target)."""
     b = T.Cast("uint32", bits)
-    placed = _f32(((b & 0x7F) << 20) | ((b & 0x80) << 24)) * _E4M3_REBIAS
+    placed = _f32(((b & 0x7F) << 20) | ((b & 0x80) << 24)) * T.float32(_E4M3_REBIAS)
     return T.if_then_else((b & 0x7F) == 0x7F, _f32(T.uint32(0x7FC00000) | ((b & 0x80) << 24)), placed)
 
 
@@ -108,7 +108,7 @@ def f32_to_e4m3(x):
 # ---------------------------------------------------------------------------- fp4 e2m1
 
 _E2M1_MAX = 0x40C00000  # 6.0
-_E2M1_REBIAS = T.float32(2.0**126)  # 2^(127 - 1)
+_E2M1_REBIAS = 2.0**126  # 2^(127 - 1)
 
 
 def e2m1_to_f32(code):
@@ -116,7 +116,7 @@ def e2m1_to_f32(code):
     exponent and mantissa placed 22 bits up in an fp32, times 2^126 (the magnitudes 0 and 0.5 pass through the fp32
     subnormals 0 and 2^-127, which the multiply keeps)."""
     c = T.Cast("uint32", code)
-    return _f32(((c & 7) << 22) | ((c & 8) << 28)) * _E2M1_REBIAS
+    return _f32(((c & 7) << 22) | ((c & 8) << 28)) * T.float32(_E2M1_REBIAS)
 
 
 E2M1_REBIAS_BF16X2 = 0x7E807E80  # bf16 2^126 in both halves: what e2m1_pair_bf16x2 is multiplied by
@@ -191,12 +191,13 @@ _DECODE = {"bf16": bf16_to_f32, "e4m3": e4m3_to_f32, "e2m1": e2m1_to_f32}
 _ENCODE = {"bf16": f32_to_bf16, "e4m3": f32_to_e4m3, "e2m1": f32_to_e2m1}
 
 
-def codec_prim_func(fmt: str, direction: str, parallel=T.serial, block: int = 256):
+def codec_prim_func(fmt: str, direction: str, parallel=None, block: int = 256):
     """Elementwise 1-D codec kernel over N (dynamic) elements, before compilation.
 
     decode: codes (uint16 for bf16, uint8 for e4m3 / e2m1, one code per byte) -> float32;
-    encode: float32 -> codes. `parallel` is the loop form (T.serial for C, T.Parallel for CUDA).
+    encode: float32 -> codes. `parallel` is the loop form (T.serial, the default, for C; T.Parallel for CUDA).
     """
+    parallel = parallel or T.serial
     if direction == "decode":
         fn, src, dst = _DECODE[fmt], _STORAGE[fmt], "float32"
     elif direction == "encode":

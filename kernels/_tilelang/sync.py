@@ -1,8 +1,6 @@
 """Counting CTAs in: the last of a group to finish runs an epilogue over what all of them wrote (one launch)."""
 
-import tilelang.language as T
-
-from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels._tilelang import T, Flavour
 
 
 def count_in_macro(fl: Flavour):

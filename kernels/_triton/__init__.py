@@ -15,6 +15,7 @@ Interpreter pitfalls handled here:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,13 @@ class Launch:
     cooperating: int = 1
 
     def __call__(self) -> None:
+        if flashkern._TRITON_INTERPRETED:  # numpy runs the kernel: its warnings on NaN / inf / padding lanes are not
+            # the caller's (floating-point errors; "All-NaN slice" from its reductions)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages,
+                                       **self.options)
+            return
         self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages, **self.options)
 
 

@@ -24,11 +24,10 @@ read through UVA); gate by HBM, 3 reads and a write of hc x D bf16 a token.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
-import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, codecs, row_strided
+from flashkern.kernels._tilelang import T, Flavour, codecs, row_strided
 from flashkern.kernels.engram import host
 from flashkern.kernels.engram.problem import GateProblem, HashProblem, LookupProblem
 from flashkern.kernels.tiles import SMS, next_power_of_2

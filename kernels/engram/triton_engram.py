@@ -33,7 +33,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import INTERPRETED, Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import bf16_to_f32, e4m3_decode, ue8m0_decode
-from flashkern.kernels.tiles import SMS, next_power_of_2
+from flashkern.kernels.tiles import SMS, cdiv, next_power_of_2
 from flashkern.reference.engram import DOT_FLOOR, ROW_VALUES, SCALE_BLOCK
 
 VALUES = tl.constexpr(ROW_VALUES)
@@ -173,7 +173,7 @@ def engram_gate_kernel(h_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, out_ptr, D, eps, d
 def plan_hash(problem, inputs: dict, config: dict, out) -> Launch:
     """Row ids int64 [T, orders x heads]: a program per block_tokens tokens."""
     history = inputs["history"]
-    return Launch(engram_hash_kernel, grid=(triton.cdiv(problem.tokens, config["block_tokens"]),),
+    return Launch(engram_hash_kernel, grid=(cdiv(problem.tokens, config["block_tokens"]),),
                   args=dict(token_ptr=inputs["token_ids"], seq_ptr=inputs["seq_ids"], map_ptr=inputs["token_map"],
                             mult_ptr=inputs["multipliers"], prime_ptr=inputs["primes"],
                             offset_ptr=inputs["offsets"], history_ptr=history if problem.history else None,
@@ -193,7 +193,7 @@ def _alignment(table) -> int:
 
 def lookup_grid(problem, config: dict) -> int:
     """Programs of the lookup: a tile each (persistent 0), or at most SMs (1) or SMs / 2 (2) striding over them."""
-    tiles = triton.cdiv(problem.rows, config["block_rows"])
+    tiles = cdiv(problem.rows, config["block_rows"])
     return min(tiles, (tiles, SMS, SMS // 2)[config["persistent"]])
 
 
@@ -257,7 +257,7 @@ def hash_default(problem) -> dict:
         return {"block_tokens": min(1024, tokens), "num_warps": 4}
     config = {"block_tokens": min(128, tokens), "num_warps": 4}
     while config["block_tokens"] > 1 and (HASH_SPACE.violations(problem, config) or (
-            config["block_tokens"] > 16 and triton.cdiv(problem.tokens, config["block_tokens"]) < 2 * SMS)):
+            config["block_tokens"] > 16 and cdiv(problem.tokens, config["block_tokens"]) < 2 * SMS)):
         config["block_tokens"] //= 2
     return config
 

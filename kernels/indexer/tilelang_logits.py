@@ -45,11 +45,10 @@ key_pos / bounds make what it points at -inf (reference/indexer.py).
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
 import math
 
-import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, codecs, row_strided
+from flashkern.kernels._tilelang import T, Flavour, codecs, placeholder, row_strided
 from flashkern.kernels.indexer import tilelang_topk
 from flashkern.kernels.indexer.problem import (LogitsProblem, PagedProblem, SparseProblem, kept_per_span, kept_width,
                                                span_slots)
@@ -331,7 +330,7 @@ def _addressing(fl: Flavour, rows: int, block_n: int):
 
 def _q_scale_arg(q_scale, lead_dims: int, device):
     """MXFP4 q scales, or a placeholder for fp8 (whose per-token q scale is folded into w)."""
-    return torch.zeros((1,) * (lead_dims + 2), dtype=torch.uint8, device=device) if q_scale is None else q_scale
+    return placeholder((1,) * (lead_dims + 2), torch.uint8, device) if q_scale is None else q_scale
 
 
 def _data_arg(tensor, st: _Storage):

@@ -49,11 +49,10 @@ of the scores) and 3 over the scores with drop_neg_inf.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
-import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, row_strided
+from flashkern.kernels._tilelang import T, Flavour, placeholder, row_strided
 from flashkern.kernels.indexer.problem import SPLIT_FROM, CandidateProblem, TopkProblem, split_chunk
 
 RADIX_BITS = 8
@@ -385,9 +384,9 @@ def topk_stage_args(values, ends, out, fl: Flavour, *, starts=None, blocks=None)
     if ends is None:
         ends = torch.full((rows,), width, dtype=torch.int32, device=device)
     if starts is None:
-        starts = torch.zeros(1, dtype=torch.int32, device=device)
+        starts = placeholder((1,), torch.int32, device)
     if blocks is None:
-        blocks = torch.zeros((1, 1), dtype=torch.int32, device=device)
+        blocks = placeholder((1, 1), torch.int32, device)
     return [_values_arg(values, fl), ends, starts, blocks, out]
 
 
@@ -594,11 +593,11 @@ def split_select_args(values, out, chunk: int, buffers: dict, fl: Flavour, *, en
     if ends is None:
         ends = torch.full((rows,), width, dtype=torch.int32, device=device)
     if starts is None:
-        starts = torch.zeros(1, dtype=torch.int32, device=device)
+        starts = placeholder((1,), torch.int32, device)
     compact = [_values_arg(values, fl), ends, starts, buffers["total"], buffers["suffix"], buffers["positions"],
                buffers["keys"], buffers["counts"], chunk * per, per, out.shape[1]]
     select = [buffers["keys"], buffers["positions"], buffers["counts"],
-              torch.zeros((1, 1), dtype=torch.int32, device=device), out]
+              placeholder((1, 1), torch.int32, device), out]
     return compact, select
 
 

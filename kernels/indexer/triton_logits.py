@@ -48,7 +48,7 @@ from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import ue8m0_decode
 from flashkern.kernels.indexer.problem import kept_per_span, kept_width, span_slots
 from flashkern.kernels.indexer.triton_topk import NAN_KEY, NEG_INF_KEY, flip_negative, order_key, select_in_registers
-from flashkern.kernels.tiles import SMS
+from flashkern.kernels.tiles import SMS, cdiv, next_power_of_2
 
 DENSE, PAGED, SPARSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # addressing modes
 MX_BLOCK = tl.constexpr(32)  # MXFP4 values per ue8m0 scale
@@ -285,12 +285,12 @@ def _indexer_constexprs(indexer, rows: int, mode: int, block: int, config: dict,
                         bf16: bool = False, group_rows: int | None = None, keep: int = 0) -> dict:
     """Shape constants of one specialization (programs of `rows` rows of groups of group_rows, default rows; sparse:
     `keep` candidates kept per span); heads padded so that a dot's N side is >= 16."""
-    rows_pad = triton.next_power_of_2(rows)
+    rows_pad = next_power_of_2(rows)
     return dict(H=indexer.heads, H_PAD=_heads_pad(indexer, rows),
-                D=indexer.dim, BLOCK_D=max(32, triton.next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
+                D=indexer.dim, BLOCK_D=max(32, next_power_of_2(indexer.dim)), FP4=indexer.fmt == "mxfp4",
                 MODE=mode, ROWS=rows, ROWS_PAD=rows_pad, GROUP_ROWS=group_rows or rows, BLOCK=block,
                 LENS_2D=lens_2d, BF16=bf16, BLOCK_N=config["block_n"], TILES=config["tiles"], KEEP=keep,
-                KEEP_PAD=triton.next_power_of_2(max(keep, 1)))
+                KEEP_PAD=next_power_of_2(max(keep, 1)))
 
 
 def _query_strides(inputs: dict, rows_per_group: int) -> dict:
@@ -319,7 +319,7 @@ def _key_strides(k: torch.Tensor, k_scale: torch.Tensor) -> dict:
 
 def _launch(groups: int, width: int, config: dict, args: dict) -> Launch:
     span = config["block_n"] * config["tiles"]
-    return Launch(indexer_logits_kernel, grid=(groups, triton.cdiv(width, span)), args=args,
+    return Launch(indexer_logits_kernel, grid=(groups, cdiv(width, span)), args=args,
                   num_warps=config["num_warps"])
 
 
@@ -337,7 +337,7 @@ def plan_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor):
                 **_key_strides(inputs["k"], inputs["k_scale"]),
                 **_indexer_constexprs(problem.indexer, config["block_m"], DENSE.value, 1, config,
                                       bf16=problem.bf16_logits))
-    return _launch(triton.cdiv(m, config["block_m"]), n, config, args)
+    return _launch(cdiv(m, config["block_m"]), n, config, args)
 
 
 def plan_paged_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor):
@@ -352,7 +352,7 @@ def plan_paged_mqa_logits(problem, inputs: dict, config: dict, out: torch.Tensor
                 **_indexer_constexprs(problem.indexer, paged_rows(problem, config), PAGED.value, problem.block_size,
                                       config, lens_2d=problem.lens_2d, bf16=problem.bf16_logits,
                                       group_rows=problem.next_n))
-    programs = problem.batch * triton.cdiv(problem.next_n, paged_rows(problem, config))
+    programs = problem.batch * cdiv(problem.next_n, paged_rows(problem, config))
     return _launch(programs, width, config, args)
 
 
@@ -394,12 +394,12 @@ NUM_WARPS = (4, 8)
 
 
 def _heads_pad(indexer, rows: int) -> int:
-    return max(triton.next_power_of_2(indexer.heads), 16 // triton.next_power_of_2(rows))
+    return max(next_power_of_2(indexer.heads), 16 // next_power_of_2(rows))
 
 
 def _slots(indexer, rows: int) -> int:
     """(row, head) slots of a program's q tile: the N side of S."""
-    return triton.next_power_of_2(rows) * _heads_pad(indexer, rows)
+    return next_power_of_2(rows) * _heads_pad(indexer, rows)
 
 
 def _values_per_thread(indexer, rows: int, config: dict) -> int:
@@ -407,7 +407,7 @@ def _values_per_thread(indexer, rows: int, config: dict) -> int:
 
 
 def _operand_bytes(indexer, rows: int, config: dict) -> int:
-    width = max(32, triton.next_power_of_2(indexer.dim)) if indexer.fmt == "fp8" else 32
+    width = max(32, next_power_of_2(indexer.dim)) if indexer.fmt == "fp8" else 32
     return (config["block_n"] + _slots(indexer, rows)) * width
 
 
@@ -439,14 +439,14 @@ def _tiles(programs_per_span: int, width: int, block_n: int, per_sm: int = 2) ->
     """Key tiles per program: the most that still leave `per_sm` programs per SM of an H200 (132 SMs; one where a
     program's registers leave room for no second)."""
     tiles = TILES[-1]
-    while tiles > 1 and programs_per_span * triton.cdiv(width, block_n * tiles) < per_sm * SMS:
+    while tiles > 1 and programs_per_span * cdiv(width, block_n * tiles) < per_sm * SMS:
         tiles //= 4
     return tiles
 
 
 def _interpreted_block_n(width: int, widest: int, slots: int) -> int:
     """Under the interpreter: the whole width in one key tile when it fits (and S within Triton's largest tensor)."""
-    return max(64, min(widest, MAX_NUMEL // slots, triton.next_power_of_2(max(width, 1))))
+    return max(64, min(widest, MAX_NUMEL // slots, next_power_of_2(max(width, 1))))
 
 
 LOGITS_SPACE = _space({"block_m": (1, 2, 4, 8, 16, 32, 64), "block_n": (64, 128, 256)},
@@ -459,9 +459,9 @@ def logits_default(problem) -> dict:
     16 rows x 8K / 64K / 512K keys: 3.0 / 12.0 / 72.0 -> 2.0 / 7.0 / 51.2 us (tensor-bound at 512K), one row x 64K /
     512K: 6.0 / 24.0 -> 3.0 / 19.1 us. Interpreter (each tl op costs about the same whatever its size): up to 1024
     slots x 256 keys."""
-    heads = triton.next_power_of_2(problem.indexer.heads)
+    heads = next_power_of_2(problem.indexer.heads)
     if flashkern.triton_interpreted():
-        block_m = max(1, min(64, 1024 // heads, triton.next_power_of_2(max(problem.rows, 1))))
+        block_m = max(1, min(64, 1024 // heads, next_power_of_2(max(problem.rows, 1))))
         block_n = _interpreted_block_n(problem.keys, 256, _slots(problem.indexer, block_m))
         return {"block_m": block_m, "block_n": block_n, "tiles": 64, "num_warps": 8}
     fp8 = problem.indexer.fmt == "fp8"
@@ -469,7 +469,7 @@ def logits_default(problem) -> dict:
     block_m = max(1, slots // heads)
     block_n = _gpu_block_n(problem.indexer, block_m, 2 * DEFAULT_VALUES_PER_THREAD["fp8"] if fp8 else None)
     return {"block_m": block_m, "block_n": block_n, "num_warps": 8,
-            "tiles": _tiles(triton.cdiv(problem.rows, block_m), problem.keys, block_n, 1 if slots == 256 else 2)}
+            "tiles": _tiles(cdiv(problem.rows, block_m), problem.keys, block_n, 1 if slots == 256 else 2)}
 
 
 WIDE_KEY_TILES = {"block_n": (64, 128, 256, 512, 1024)}
@@ -489,15 +489,15 @@ def paged_default(problem) -> dict:
     per thread at 64-key tiles (MTP with 64 heads); GPU: 8 warps, key tiles as wide as then allowed."""
     if flashkern.triton_interpreted():
         block_n = _interpreted_block_n(problem.width, 1024, _slots(problem.indexer, problem.next_n))
-        return {"block_n": block_n, "block_rows": triton.next_power_of_2(problem.next_n), "tiles": 64, "num_warps": 8}
-    block_rows = triton.next_power_of_2(problem.next_n)
+        return {"block_n": block_n, "block_rows": next_power_of_2(problem.next_n), "tiles": 64, "num_warps": 8}
+    block_rows = next_power_of_2(problem.next_n)
     while block_rows > 1 and (_values_per_thread(problem.indexer, min(block_rows, problem.next_n),
                                                  {"block_n": 64, "num_warps": 8})
                               > DEFAULT_VALUES_PER_THREAD[problem.indexer.fmt]):
         block_rows //= 2
     rows = min(block_rows, problem.next_n)
     block_n = _gpu_block_n(problem.indexer, rows)
-    programs = problem.batch * triton.cdiv(problem.next_n, rows)
+    programs = problem.batch * cdiv(problem.next_n, rows)
     return {"block_n": block_n, "block_rows": block_rows, "num_warps": 8,
             "tiles": _tiles(programs, problem.width, block_n)}
 

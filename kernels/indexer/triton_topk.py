@@ -43,6 +43,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch
 from flashkern.kernels.indexer.problem import SPLIT_FROM, TopkProblem, split_chunk
+from flashkern.kernels.tiles import cdiv, next_power_of_2
 
 NAN_KEY = tl.constexpr(-(2**31))  # the lowest int32: NaN ranks below every number
 NEG_INF_KEY = tl.constexpr(-2139095041)  # order key of -inf: 0xFF800000 with its magnitude bits flipped
@@ -389,7 +390,7 @@ def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, e
     rows, width = values.shape
     k = out.shape[1]
     return Launch(
-        topk_kernel, grid=(triton.cdiv(rows, config["block_m"]),),
+        topk_kernel, grid=(cdiv(rows, config["block_m"]),),
         args=dict(values_ptr=values, stride_row=values.stride(0), rows=rows, width=width, starts_ptr=starts,
                   ends_ptr=ends, blocks_ptr=blocks, stride_blocks=0 if blocks is None else blocks.stride(0),
                   positions_ptr=positions, out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf,
@@ -421,8 +422,8 @@ def split_select(values, out, config, chunk, buffers, *, starts=None, ends=None,
         compact_kernel, grid=(rows * chunks,), cooperating=chunks,
         args=dict(values_ptr=values, stride_row=values.stride(0), width=width, starts_ptr=starts, ends_ptr=ends,
                   **buffers, chunk=chunk, chunks=chunks, k=out.shape[1], DROP_NEG_INF=drop_neg_inf,
-                  BLOCK_N=min(config["block_n"], triton.next_power_of_2(chunk)),
-                  CHUNKS_PAD=triton.next_power_of_2(chunks)),
+                  BLOCK_N=min(config["block_n"], next_power_of_2(chunk)),
+                  CHUNKS_PAD=next_power_of_2(chunks)),
         num_warps=config["num_warps"])
     return compact, topk_launch(values, buffers["counts_ptr"], out, config, drop_neg_inf=drop_neg_inf, blocks=blocks,
                                 block=block, positions=buffers["positions_ptr"])
@@ -470,7 +471,7 @@ def plan_candidate_blocks(problem, inputs, config, out):
     logits, block = inputs["logits"], inputs["block"]
     scores = torch.empty((problem.rows, problem.blocks), dtype=torch.float32, device=logits.device)
     tile = config["tile_blocks"]
-    tiles = triton.cdiv(problem.blocks, tile)
+    tiles = cdiv(problem.blocks, tile)
     split = config["chunks"] > 1 and tiles > 1
     buffers = split_buffers(problem.rows, tiles, problem.blocks, logits.device) if split else {}
     block_max = Launch(
@@ -478,7 +479,7 @@ def plan_candidate_blocks(problem, inputs, config, out):
         args=dict(logits_ptr=logits, stride_row=logits.stride(0), width=problem.positions,
                   row_end_ptr=inputs["row_end"], scores_ptr=scores, n_scores=problem.blocks,
                   total_ptr=buffers.get("total_ptr"), suffix_ptr=buffers.get("suffix_ptr"), BLOCK=block,
-                  BLOCK_PAD=triton.next_power_of_2(block), TILE_BLOCKS=tile),
+                  BLOCK_PAD=next_power_of_2(block), TILE_BLOCKS=tile),
         num_warps=config["num_warps"],
     )
     if split:
@@ -514,7 +515,7 @@ def _histogram_fits(config) -> bool:
 
 
 def _scores_fit(problem, config) -> bool:
-    return config["tile_blocks"] * triton.next_power_of_2(problem.block) // _threads(config) <= _values_budget(config)
+    return config["tile_blocks"] * next_power_of_2(problem.block) // _threads(config) <= _values_budget(config)
 
 
 _TOPK_PARAMS = {"block_m": (1, 2, 4, 8, 16, 32), "block_n": (512, 1024, 2048, 4096, 8192, 16384),
@@ -539,7 +540,7 @@ def _rank_tiles(k: int, config) -> tuple[int, int]:
     """(BLOCK_I, BLOCK_J) of the rank-order stage: its [BLOCK_I, BLOCK_J] compare tile at the top-k tile's values per
     thread (under the interpreter, up to 1024 x 1024, Triton's largest tensor: each tl op costs about the same
     whatever its size)."""
-    k_pad = triton.next_power_of_2(k)
+    k_pad = next_power_of_2(k)
     if flashkern.triton_interpreted():
         return min(k_pad, 1024), min(k_pad, 1024)
     block_j = min(k_pad, 256)
@@ -555,10 +556,10 @@ def topk_default(problem) -> dict:
     configs are tested directly).
     """
     if flashkern.triton_interpreted():
-        block_n = max(512, min(16384, triton.next_power_of_2(max(1, problem.positions))))
-        block_m = max(1, min(32, INTERPRETED_TILE // block_n, triton.next_power_of_2(max(1, problem.rows))))
+        block_n = max(512, min(16384, next_power_of_2(max(1, problem.positions))))
+        block_m = max(1, min(32, INTERPRETED_TILE // block_n, next_power_of_2(max(1, problem.rows))))
         return {"block_m": block_m, "block_n": block_n, "num_warps": 8, "chunks": 1}
-    return {"block_m": 1, "block_n": max(512, min(4096, triton.next_power_of_2(max(1, problem.positions)))),
+    return {"block_m": 1, "block_n": max(512, min(4096, next_power_of_2(max(1, problem.positions)))),
             "num_warps": 8, "chunks": 64 if problem.positions >= SPLIT_FROM else 1}
 
 
@@ -568,5 +569,5 @@ def blocks_default(problem) -> dict:
     select = topk_default(TopkProblem(problem.rows, problem.blocks, problem.n_blocks))
     if flashkern.triton_interpreted():
         return {"tile_blocks": 2048, **select}
-    tile_blocks = max(64, min(2048, 16 * _threads(select) // triton.next_power_of_2(problem.block)))
+    tile_blocks = max(64, min(2048, 16 * _threads(select) // next_power_of_2(problem.block)))
     return {"tile_blocks": tile_blocks, **select}

@@ -17,25 +17,26 @@ counts). CPU: the tiles are local fp32 buffers of the same bf16 values; docs/ope
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
-import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, codecs, row_strided
+from flashkern.kernels._tilelang import T, Flavour, codecs, placeholder, row_strided
 from flashkern.kernels.kv_cache.problem import WINDOW_BY_POSITION, AttentionProblem, key_splits
-from flashkern.kernels.kv_cache.tilelang_records import cache_arg, locate_slot, scale_value
+from flashkern.kernels.kv_cache.tilelang_records import cache_arg, scale_value, slot_locator
 from flashkern.kernels.tiles import SMS
 from flashkern.reference.kv_cache import FORMATS, LATENT
 
-NEG_INF = -T.infinity("float32")
-POS_INF = T.infinity("float32")
 COMBINE_THREADS = 128
 COMBINE_COLUMNS = 128  # a combine block's columns; its heads: the config's combine_heads (combine_heads_for)
 BF16_PER_16_BYTES = 8
 
 
+def neg_inf():
+    return -T.infinity("float32")
+
+
 def _finite(x):
-    return (x > NEG_INF) & (x < POS_INF)
+    return (x > neg_inf()) & (x < T.infinity("float32"))
 
 
 def _shift(m):
@@ -45,12 +46,12 @@ def _shift(m):
 
 def _rescale(m, shift):
     """exp(shift(m) - shift): the weight of sums taken at max m when the shift moves to `shift`; 0 with no keys."""
-    return T.if_then_else(m == NEG_INF, T.float32(0), T.exp(_shift(m) - shift))
+    return T.if_then_else(m == neg_inf(), T.float32(0), T.exp(_shift(m) - shift))
 
 
 def _sink(Sink, h, has_sink):
     """The sink logit of head h, -inf without a sink."""
-    return T.if_then_else(has_sink != 0, Sink[h], NEG_INF)
+    return T.if_then_else(has_sink != 0, Sink[h], neg_inf())
 
 
 def shares_window(problem: AttentionProblem, config: dict) -> bool:
@@ -145,6 +146,8 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
 
     def listed(Indices, t, first):
         """locate(Cache, n, page, row): where entry first + n of the index row Indices[t] is (page -1: none)."""
+        locate_slot = slot_locator()
+
         @T.macro
         def locate(Cache, n, page, row):
             locate_slot(Cache, T.if_then_else(first + n < Indices.shape[1],
@@ -231,7 +234,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
         """Scores of the key block, online softmax (module docstring), acc += p . k_tile."""
         T.gemm(q_tile, k_tile, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
         for h, n in fl.parallel(BH, BN):
-            s[h, n] = T.if_then_else(page[n] >= 0, s[h, n] * scale, NEG_INF)
+            s[h, n] = T.if_then_else(page[n] >= 0, s[h, n] * scale, neg_inf())
         T.reduce_max(s, block_max, dim=1)
         for h in fl.parallel(BH):  # (helpers get buffer elements: a nested expression would be copied into each use)
             m_new[h] = T.max(m[h], block_max[h])
@@ -296,7 +299,7 @@ def attend_program(problem: AttentionProblem, config: dict, fl: Flavour, aligned
             for h, d in fl.parallel(BH, LATENT):
                 acc[h, d] = 0.0
             for h in fl.parallel(BH):
-                m[h] = NEG_INF
+                m[h] = neg_inf()
                 l[h] = 0.0
             # the split's key blocks [first, first + blocks_per_split): those of the main cache, then the window's
             for i in T.serial(T.max(T.min(first + blocks_per_split, kv_key_blocks) - first, 0)):
@@ -410,7 +413,7 @@ def combine_program(problem: AttentionProblem, config: dict, fl: Flavour):
             acc = fl.fragment((CH, CD), "float32")
             h0, d0 = head_block * CH, column_block * CD
             for h, s in fl.parallel(CH, MS):
-                m[h, s] = partial(PartialML, t, s, h0 + h, 0, NEG_INF)
+                m[h, s] = partial(PartialML, t, s, h0 + h, 0, neg_inf())
             T.reduce_max(m, shift, dim=1)
             for h in fl.parallel(CH):
                 shift[h] = _shift(T.max(shift[h], _sink(Sink, T.min(h0 + h, H - 1), has_sink)))
@@ -461,17 +464,17 @@ def attention_args(problem: AttentionProblem, inputs: dict, config: dict, fl: Fl
     if problem.swa:
         swa = cache_arg(inputs["swa_cache"])
     else:  # window 0: no key block reads it
-        swa = torch.empty((1, 1, FORMATS[problem.swa_format].bytes), dtype=torch.uint8, device=device)
+        swa = placeholder((1, 1, FORMATS[problem.swa_format].bytes), torch.uint8, device)
     swa_indices = inputs["swa_indices"]
     if swa_indices is None:  # its width is the window's (0 without one); no rows: never read
-        swa_indices = torch.empty((0, problem.window), dtype=torch.int32, device=device)
-    none = torch.empty((1, 1), dtype=torch.int32, device=device)  # an int32 argument the kernel never reads
+        swa_indices = placeholder((0, problem.window), torch.int32, device)
+    none = placeholder((1, 1), torch.int32, device)  # an int32 argument the kernel never reads
     table, positions, seq_ids, lower = (inputs.get(name) for name in WINDOW_BY_POSITION if name != "window")
     if not problem.window_by_position:
         table, positions, seq_ids = none, none[0], none[0]
     has_lower = int(lower is not None)
     lower = lower if has_lower else none[0]
-    sink = inputs["sink"] if problem.sink else torch.empty(H, dtype=torch.float32, device=device)
+    sink = inputs["sink"] if problem.sink else placeholder((H,), torch.float32, device)
     scale = LATENT**-0.5 if inputs["scale"] is None else float(inputs["scale"])
     partial_tokens = tokens if plan.splits > 1 else 1
     partial_o = torch.empty((plan.splits, partial_tokens, H, LATENT), dtype=torch.float32, device=device)

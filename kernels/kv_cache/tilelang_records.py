@@ -25,11 +25,12 @@ written element by element.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
-import tilelang.language as T
+import functools
+
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, codecs, row_strided
+from flashkern.kernels._tilelang import T, Flavour, codecs, row_strided
 from flashkern.kernels.kv_cache.problem import CodecProblem
 from flashkern.reference.formats import E2M1_MAX, E4M3_MAX, E4M3_NAN, UE8M0_NAN
 from flashkern.reference.kv_cache import FORMATS, FP4_MIN_SCALE, LATENT, MXFP8_MIN_EXPONENT
@@ -71,17 +72,22 @@ def _encode_block_macro(fl: Flavour, fmt):
     return encode_block
 
 
-@T.macro
-def locate_slot(Cache, slot, page, row, i):
-    """page[i], row[i] = where slot `slot` of the paged Cache [blocks, block_size, bytes] is: page -1 (and row 0)
-    for -1 and any slot outside [0, blocks x block_size) (compared in int64: no int32 value wraps); row[i] holds the
-    slot meanwhile."""
-    row[i] = slot
-    row[i] = T.if_then_else(
-        (row[i] >= 0) & (T.Cast("int64", row[i]) < T.Cast("int64", Cache.shape[0]) * T.Cast("int64", Cache.shape[1])),
-        row[i], -1)
-    page[i] = T.if_then_else(row[i] >= 0, row[i] // Cache.shape[1], -1)
-    row[i] = T.if_then_else(row[i] >= 0, row[i] % Cache.shape[1], 0)
+@functools.cache
+def slot_locator():
+    """locate_slot(Cache, slot, page, row, i), a macro: page[i], row[i] = where slot `slot` of the paged Cache
+    [blocks, block_size, bytes] is: page -1 (and row 0) for -1 and any slot outside [0, blocks x block_size)
+    (compared in int64: no int32 value wraps); row[i] holds the slot meanwhile."""
+
+    @T.macro
+    def locate_slot(Cache, slot, page, row, i):
+        row[i] = slot
+        row[i] = T.if_then_else(
+            (row[i] >= 0) & (T.Cast("int64", row[i]) < T.Cast("int64", Cache.shape[0]) * T.Cast("int64", Cache.shape[1])),
+            row[i], -1)
+        page[i] = T.if_then_else(row[i] >= 0, row[i] // Cache.shape[1], -1)
+        row[i] = T.if_then_else(row[i] >= 0, row[i] % Cache.shape[1], 0)
+
+    return locate_slot
 
 
 def code_value(fmt, rec, r, d):
@@ -120,6 +126,8 @@ def _encode_program(problem: CodecProblem, config: dict, fl: Flavour, scatter: b
             encode_block(x, rec, r, g)
 
     if scatter:
+        locate_slot = slot_locator()
+
         @T.prim_func
         def kv_cache_insert(
             Cache: T.StridedTensor((NB, BS, RB), (PS, RB, 1), "uint8"),

@@ -29,6 +29,7 @@ from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels._triton.codecs import bf16_to_f32
 from flashkern.kernels.kv_cache.problem import key_splits
 from flashkern.kernels.kv_cache.triton_records import D, decode_records, slot_offset, word_aligned
+from flashkern.kernels.tiles import cdiv, next_power_of_2
 from flashkern.reference.kv_cache import LATENT
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -257,8 +258,8 @@ def _combine_tile(problem) -> tuple[int, int]:
     """(heads, columns) of a combine program: GPU 4 x 128 (many small programs: T = 1 and H = 64 gives 64);
     interpreter every head and column of a token at once."""
     if flashkern.triton_interpreted():
-        return triton.next_power_of_2(problem.heads), LATENT
-    return min(4, triton.next_power_of_2(problem.heads)), 128
+        return next_power_of_2(problem.heads), LATENT
+    return min(4, next_power_of_2(problem.heads)), 128
 
 
 def plan_attention(problem, inputs: dict, config: dict, out):
@@ -277,7 +278,7 @@ def plan_attention(problem, inputs: dict, config: dict, out):
     scale = LATENT**-0.5 if inputs["scale"] is None else float(inputs["scale"])
     interpreted = flashkern.triton_interpreted()
     attention = Launch(
-        sparse_attention_kernel, grid=(t * triton.cdiv(h, block_h), plan.splits),
+        sparse_attention_kernel, grid=(t * cdiv(h, block_h), plan.splits),
         args=dict(q_ptr=q, stride_q_token=q.stride(0), stride_q_head=q.stride(1),
                   **_cache_args("kv", inputs["kv_cache"]), indices_ptr=indices, stride_indices=indices.stride(0),
                   topk=problem.topk,
@@ -297,7 +298,7 @@ def plan_attention(problem, inputs: dict, config: dict, out):
         return attention
     heads, columns = _combine_tile(problem)
     combine = Launch(
-        combine_kernel, grid=(t, triton.cdiv(h, heads), LATENT // columns),
+        combine_kernel, grid=(t, cdiv(h, heads), LATENT // columns),
         args=dict(**parts, sink_ptr=inputs["sink"], out_ptr=out.out, lse_ptr=out.lse, tokens=t, splits=plan.splits,
                   H=h, HAS_SINK=problem.sink, BLOCK_H=heads, BLOCK_D=columns, INTERPRETED=interpreted),
         num_warps=4)
@@ -322,7 +323,7 @@ ATTENTION_SPACE = Space(
             "max_splits": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
     gpu_only=("num_warps", "num_stages"),
     constraints={"block_h <= max(16, H) (more would be padding only)":
-                 lambda p, c: c["block_h"] <= max(16, triton.next_power_of_2(p.heads))},
+                 lambda p, c: c["block_h"] <= max(16, next_power_of_2(p.heads))},
     limits={"8 warps (registers: 4 spill)": lambda p, c: c["num_warps"] == 8,
             "block_n <= 32, block_n x block_d <= 4096, block_d <= 64 at block_h 64 (registers)":
             lambda p, c: c["block_n"] <= 32 and c["block_n"] * c["block_d"] <= 4096
@@ -339,7 +340,7 @@ def attention_default(problem) -> dict:
     us against at most 16; T = 8: 10; T = 64: 2); the window by position on 3 stages (its slot arithmetic spills
     16 B on 2, none on 3). Interpreter (each tl op costs about the same whatever its size): up to 64 heads and 64
     keys per step over whole rows, one split."""
-    block_h = min(64, max(16, triton.next_power_of_2(problem.heads)))
+    block_h = min(64, max(16, next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
         return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
     return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 32, "num_warps": 8,

@@ -32,7 +32,7 @@ from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton.codecs import (F32_ABS, F32_INF, bf16_to_f32, e2m1_decode, e2m1_encode, e4m3_decode,
                                               e4m3_encode, ue8m0_ceil, ue8m0_decode, ue8m0_reciprocal)
-from flashkern.kernels.tiles import SMS
+from flashkern.kernels.tiles import SMS, cdiv, next_power_of_2
 from flashkern.reference import formats
 from flashkern.reference.kv_cache import FORMATS, FP4_MIN_SCALE, LATENT, MXFP8_MIN_EXPONENT
 
@@ -185,7 +185,7 @@ def dequantize_kernel(records_ptr, stride_records, out_ptr, rows, FORMAT: tl.con
 
 
 def _launch(kernel, problem, config: dict, args: dict) -> Launch:
-    return Launch(kernel, grid=(triton.cdiv(problem.rows, config["block_rows"]),),
+    return Launch(kernel, grid=(cdiv(problem.rows, config["block_rows"]),),
                   args=dict(args, rows=problem.rows, FORMAT=problem.format, BLOCK_ROWS=config["block_rows"]),
                   num_warps=config["num_warps"])
 
@@ -245,11 +245,11 @@ DEQUANTIZE_SPACE = _records_space(128)
 def records_default(problem) -> dict:
     """GPU: 4 warps at 16 values per thread (4 rows), fewer rows while that leaves under 2 programs per SM.
     Interpreter (each tl op costs about the same whatever its size): up to 2^16 values (128 rows) per program."""
-    rows = triton.next_power_of_2(max(1, problem.rows))
+    rows = next_power_of_2(max(1, problem.rows))
     if flashkern.triton_interpreted():
         return {"block_rows": min(rows, INTERPRETED_TILE // LATENT), "num_warps": 4}
     block_rows = min(4, rows)
-    while block_rows > 1 and triton.cdiv(problem.rows, block_rows) < 2 * SMS:
+    while block_rows > 1 and cdiv(problem.rows, block_rows) < 2 * SMS:
         block_rows //= 2
     return {"block_rows": block_rows, "num_warps": 4}
 

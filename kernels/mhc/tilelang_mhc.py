@@ -38,12 +38,12 @@ runs are bitwise identical.
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
 from types import SimpleNamespace
 
-import tilelang.language as T
 import torch
+
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
-from flashkern.kernels._tilelang import Flavour
+from flashkern.kernels._tilelang import T, Flavour, placeholder
 from flashkern.kernels._tilelang.sync import count_in_macro
+from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
 from flashkern.kernels.mhc.problem import (
     MhcProblem,
     SinkhornProblem,
@@ -526,8 +526,8 @@ def _fused_args(problem: MhcProblem, inputs: dict, config: dict, fl: Flavour, ou
     # per call, so calls on several streams never share them; unread when the epilogue has its own launch
     tickets = (torch.zeros if config["epilogue"] == "last_split" else torch.empty)(tiles, dtype=torch.int32,
                                                                                   device=device)
-    pre_in = inputs["pre_mix"] if problem.collapse == "carried" else torch.zeros((1, problem.streams), device=device)
-    norm = inputs["norm_weight"] if problem.has_norm else torch.zeros(1, dtype=torch.bfloat16, device=device)
+    pre_in = inputs["pre_mix"] if problem.collapse == "carried" else placeholder((1, problem.streams), torch.float32, device)
+    norm = inputs["norm_weight"] if problem.has_norm else placeholder((1,), torch.bfloat16, device)
     layer_input, pre, post, comb = outputs
     fn = inputs["fn"].view(problem.mixes, problem.streams, problem.hidden)
     return [fl.tma_arg(fn), *empty_partials(problem, splits, device), tickets, inputs["hc_scale"],

@@ -39,7 +39,7 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels.tiles import SMS, next_power_of_2, split_plan
+from flashkern.kernels.tiles import SMS, cdiv, next_power_of_2, split_plan
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.mhc.problem import empty_partials, epilogue_launch
 from flashkern.reference.mhc import mix_width
@@ -307,7 +307,7 @@ def _mix_pad(n: int) -> int:
 def plan_sinkhorn(problem, inputs: dict, config: dict, out):
     """Sinkhorn of x [..., n, n]: a program per block_b matrices."""
     x = inputs["x"]
-    return Launch(mhc_sinkhorn_kernel, grid=(triton.cdiv(problem.matrices, config["block_b"]),),
+    return Launch(mhc_sinkhorn_kernel, grid=(cdiv(problem.matrices, config["block_b"]),),
                   args=dict(x_ptr=x, out_ptr=out, matrices=problem.matrices, iters=int(inputs["iters"]),
                             eps=float(inputs["eps"]), BLOCK_B=config["block_b"], **_streams(problem.n)),
                   num_warps=config["num_warps"])
@@ -315,7 +315,7 @@ def plan_sinkhorn(problem, inputs: dict, config: dict, out):
 
 def plan_post(problem, inputs: dict, config: dict, out):
     """New residual streams [T, n, D]: a program per token and block_d columns."""
-    grid = (triton.cdiv(problem.tokens, config["block_t"]), triton.cdiv(problem.hidden, config["block_d"]))
+    grid = (cdiv(problem.tokens, config["block_t"]), cdiv(problem.hidden, config["block_d"]))
     return Launch(mhc_post_kernel, grid=grid,
                   args=dict(y_ptr=inputs["y"], res_ptr=inputs["residual"], post_ptr=inputs["post"],
                             comb_ptr=inputs["comb"], out_ptr=out, T=problem.tokens, D=problem.hidden,
@@ -328,7 +328,7 @@ def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | 
     epilogue run by each tile's last split, or by a second launch of cdiv(T, epi_block_t) programs."""
     t, d, n = problem.tokens, problem.hidden, problem.streams
     splits, chunk = split_plan(d, config["split_k"], config["block_d"])
-    tiles = triton.cdiv(t, config["block_t"])
+    tiles = cdiv(t, config["block_t"])
     mix_parts, sq_parts = empty_partials(problem, splits, inputs["residual"].device)
     last_split = config["epilogue"] == "last_split"
     # per call, so calls on several streams never share them
@@ -352,7 +352,7 @@ def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | 
     if last_split:
         return gemm
     epilogue = Launch(
-        mhc_epilogue_kernel, grid=(triton.cdiv(t, config["epi_block_t"]),),
+        mhc_epilogue_kernel, grid=(cdiv(t, config["epi_block_t"]),),
         args=dict(res_ptr=post_args["new_res_ptr"] if has_post else inputs["residual"], splits=splits,
                   **epilogue_args),
         num_warps=config["num_warps"])
@@ -411,7 +411,7 @@ def sinkhorn_default(problem) -> dict:
     if flashkern.triton_interpreted():
         return {"block_b": min(1024, next_power_of_2(max(1, problem.matrices))), "num_warps": 4}
     block_b = max(1, 512 // next_power_of_2(problem.n) ** 2)
-    while block_b > 1 and triton.cdiv(problem.matrices, block_b) < 2 * SMS:
+    while block_b > 1 and cdiv(problem.matrices, block_b) < 2 * SMS:
         block_b //= 2
     return {"block_b": block_b, "num_warps": 4}
 
@@ -448,7 +448,7 @@ def post_default(problem) -> dict:
         block_d = max(64, min(4096, next_power_of_2(problem.hidden)))
         return {"block_t": _interpreted_tokens(problem, np_ * block_d), "block_d": block_d, "num_warps": 4}
     block_d = max(64, 2048 // np_)
-    while block_d > 128 and problem.tokens * triton.cdiv(problem.hidden, block_d) < 2 * SMS:
+    while block_d > 128 and problem.tokens * cdiv(problem.hidden, block_d) < 2 * SMS:
         block_d //= 2
     return {"block_t": 1, "block_d": block_d, "num_warps": 4}
 
@@ -529,7 +529,7 @@ def pre_default(problem) -> dict:
             break
     if problem.tokens == 1:  # a compile-time 1 for the JIT: that build spills at block_d 32 (128 registers), not at 16
         config["block_d"] = min(config["block_d"], 16)
-    tiles = triton.cdiv(max(1, problem.tokens), config["block_t"])  # of the block_t the limits left
+    tiles = cdiv(max(1, problem.tokens), config["block_t"])  # of the block_t the limits left
     config["epilogue"] = epilogue_launch(problem.tokens, tiles)
     while (config["split_k"] < 32 and tiles * config["split_k"] * 2 <= 2 * SMS
            and config["split_k"] * 2 * 4 * config["block_d"] <= problem.hidden):

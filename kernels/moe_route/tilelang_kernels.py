@@ -20,11 +20,10 @@ rows are few, and in L2), and the tile's last block to count in (a ticket) route
 """
 
 # No `from __future__ import annotations`: TileLang evaluates T.Tensor annotations against the closure.
-import tilelang.language as T
 import torch
 
 from flashkern.autotune.space import Space
-from flashkern.kernels._tilelang import Flavour, row_strided
+from flashkern.kernels._tilelang import T, Flavour, placeholder, row_strided
 from flashkern.kernels._tilelang.sync import count_in_macro
 from flashkern.kernels.moe_route.problem import LOG1P_UNIT, slot_layout
 from flashkern.kernels.tiles import SMS, split_plan
@@ -430,8 +429,8 @@ GATE_PASS_CONFIGS = {"tl.disable_warp_specialized": True}
 
 
 def _bias_valid_args(problem, inputs: dict, device) -> list:
-    bias = inputs["bias"] if problem.has_bias else torch.zeros(1, device=device)
-    valid = inputs["valid"].view(torch.uint8) if problem.has_valid else torch.ones(1, dtype=torch.uint8, device=device)
+    bias = inputs["bias"] if problem.has_bias else placeholder((1,), torch.float32, device)
+    valid = inputs["valid"].view(torch.uint8) if problem.has_valid else placeholder((1,), torch.uint8, device, fill=1)
     return [bias, valid]
 
 

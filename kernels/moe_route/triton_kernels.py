@@ -27,7 +27,7 @@ import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels._triton import Launch, round_to_bf16
 from flashkern.kernels.moe_route.problem import LOG1P_UNIT, slot_layout
-from flashkern.kernels.tiles import SMS, split_plan
+from flashkern.kernels.tiles import SMS, cdiv, split_plan
 
 SCORE_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 LOWEST = tl.constexpr(-3.4028234663852886e38)  # lowest finite fp32: NaN keys rank here, below every number
@@ -381,7 +381,7 @@ def _routing_args(problem, inputs, config, out):
 
 def plan_route(problem, inputs, config, out):
     logits = inputs["logits"]
-    return Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, config["block_t"]),),
+    return Launch(moe_route_kernel, grid=(cdiv(problem.tokens, config["block_t"]),),
                   args=dict(logits_ptr=logits, stride_t=logits.stride(0), splits=1,
                             **_routing_args(problem, inputs, config, out)),
                   num_warps=config["num_warps"])
@@ -396,7 +396,7 @@ def plan_route_gate(problem, inputs, config, out):
                 norm_ptr=inputs["norm_weight"], D=problem.hidden, T=problem.tokens, BLOCK_T=config["block_t"],
                 BLOCK_D=config["block_d"], UPCAST_DOT=flashkern.triton_interpreted())
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    tiles = triton.cdiv(problem.tokens, config["block_t"])
+    tiles = cdiv(problem.tokens, config["block_t"])
     splits, split_d = split_plan(problem.hidden, config["splits"], config["block_d"])
     if config["separate_route"]:
         return _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, splits, split_d)
@@ -430,7 +430,7 @@ def _plan_gate_launches(problem, inputs, config, out, gemm, options, tiles, spli
                                   BLOCK_E=config["block_e"]), **options),)
     rows = config["epi_t"]  # a warp per row, up to 4 warps (moe_route's form)
     routing = dict(_routing_args(problem, inputs, config, out), BLOCK_T=rows)
-    return launches + (Launch(moe_route_kernel, grid=(triton.cdiv(problem.tokens, rows),),
+    return launches + (Launch(moe_route_kernel, grid=(cdiv(problem.tokens, rows),),
                               args=dict(routing, logits_ptr=parts, stride_t=problem.routing.experts, splits=splits),
                               num_warps=_route_warps(rows)),)
 
