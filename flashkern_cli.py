@@ -1,13 +1,14 @@
 """The flashkern command line's front door: arguments parsed and checked before anything heavy is imported.
 
 `flashkern --help` and a usage error take a fraction of a second: torch, Triton and TileLang (a second or two
-to import) load only once a verb runs (flashkern.cli, which also registers every operator).
+to import) load only once a verb runs (flashkern.cli; importing flashkern registers every operator).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 VERBS = """verbs:
@@ -72,6 +73,38 @@ def backend_list(text: str) -> list[str]:
     return names
 
 
+def config_json(text: str) -> dict:
+    """--config: a JSON object of tuning parameters."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON (e.g. '{{\"block_t\": 4}}')") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of tuning parameters")
+    return config
+
+
+def output_file(text: str) -> str:
+    """A file the verb writes: its folder must exist and be writable (checked before any work is done)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder} is not writable")
+    return text
+
+
+def writable_folder(text: str) -> str:
+    """A folder the verb writes into: it must exist and be writable."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    if not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
 def shape_list(text: str) -> list[tuple[int, ...]]:
     """--shapes: comma-separated shapes, each a positive size or several joined by 'x' (64x128)."""
     shapes = []
@@ -86,8 +119,9 @@ def shape_list(text: str) -> list[tuple[int, ...]]:
 
 def parser() -> argparse.ArgumentParser:
     """Every verb's arguments, checked as parsed (one-line usage errors)."""
-    found = argparse.ArgumentParser(prog="flashkern", description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=VERBS)
+    found = argparse.ArgumentParser(
+        prog="flashkern", description="Triton and TileLang kernels for DeepSeek-V4.1-Flash-class inference",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=VERBS)
     sub = found.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="operators and where their implementations run")
@@ -106,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
                    help="torch threads while timing (default: 1 on CPU, torch's on CUDA)")
     p.add_argument("--time-interpreted", action="store_true",
                    help="time interpreted Triton too (a correctness path on CPU, checked but not timed by default)")
-    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
 
     p = sub.add_parser("compile-check", help="build every implementation for sm_90a and report resources")
     p.add_argument("ops", nargs="*", help="operators (default: all)")
@@ -115,28 +149,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--impl", choices=("triton", "tilelang"), default=None, help="build one DSL's kernels only")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--json", type=output_file, help="also write the results to this JSON file")
 
     p = sub.add_parser("check", help="property-based equivalence of one kernel with the reference")
     p.add_argument("op", help="operator")
     p.add_argument("--backend", choices=("reference", "triton", "tilelang"), default=None,
                    help="implementation to check (default: each)")
-    p.add_argument("--config", type=json.loads, default=None, help='a config of its tuning space, as JSON '
+    p.add_argument("--config", type=config_json, default=None, help='a config of its tuning space, as JSON '
                    '(e.g. \'{"block_t": 4, "num_warps": 4}\'); cases it does not apply to are skipped')
     p.add_argument("--examples", type=positive_int, default=50, help="cases to draw (default: 50)")
     p.add_argument("--seed", type=count, default=0, help="hypothesis seed (default: 0)")
     p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--save-dir", default=".", help="where a failing case too large to inline is saved (default: .)")
+    p.add_argument("--save-dir", type=writable_folder, default=".",
+                   help="where a failing case too large to inline is saved (default: .)")
 
     p = sub.add_parser("model", help="predicted time and roofline fraction per kernel on a GPU (a model)")
     p.add_argument("ops", nargs="*", help="operators (default: all that have the preset)")
     p.add_argument("--preset", default="v41-flash", help="shape preset (default: v41-flash)")
-    p.add_argument("--device", default="h200", choices=("h200", "gh200", "h100", "b200"), help="GPU modelled (default: h200)")
+    p.add_argument("--device", default="h200", choices=("h200", "gh200", "h100", "b200"),
+                   help="GPU modelled (default: h200)")
     p.add_argument("--sample", type=count, default=0, help="sampled configs per implementation besides the default")
     p.add_argument("--seed", type=count, default=0, help="seed of the config sample")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
-    p.add_argument("--json", help="also write the rows (with every stage) to this JSON file")
-    p.add_argument("--markdown", help="also write the default configs' rows as a Markdown table to this file")
+    p.add_argument("--json", type=output_file, help="also write the rows (with every stage) to this JSON file")
+    p.add_argument("--markdown", type=output_file,
+                   help="also write the default configs' rows as a Markdown table to this file")
 
     def store_options(p):
         p.add_argument("--db", default=None, help="tuning store (default: $FLASHKERN_TUNE_DB or the user cache dir)")
@@ -159,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("table", help="what backend='auto' runs per shape on this device")
     p.add_argument("op")
-    p.add_argument("--export", help="write this device's current decisions to a JSON file")
+    p.add_argument("--export", type=output_file, help="write this device's current decisions to a JSON file")
     p.add_argument("--import", dest="import_file", help="store the decisions of an exported JSON table")
     store_options(p)
 
@@ -172,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="per-shape comparison of the stored results, and a PNG plot")
     p.add_argument("op")
-    p.add_argument("--plot", default=None, help="PNG path (default: OP-DEVICE.png)")
+    p.add_argument("--plot", type=output_file, default=None, help="PNG path (default: OP-DEVICE.png)")
     store_options(p)
 
     p = sub.add_parser("store", help="the tuning store: info, or quarantine an unreadable one")

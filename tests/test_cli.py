@@ -115,6 +115,16 @@ def test_shapes_with_the_wrong_number_of_sizes_are_refused(tmp_path):
      "argument --backends: unknown backend 'cuda_magic': expected triton or tilelang, comma-separated"),
     (["compile-check", "moe_route", "--jobs", "0"], "argument --jobs: '0' is not a positive integer"),
     (["model", "--sample", "-1"], "argument --sample: '-1' is not a count (an integer >= 0)"),
+    (["check", "moe_route", "--config", "{bad"], "argument --config: '{bad' is not JSON (e.g. '{\"block_t\": 4}')"),
+    (["check", "moe_route", "--config", "[4]"], "argument --config: '[4]' is not a JSON object of tuning parameters"),
+    (["check", "moe_route", "--save-dir", "/no/such/folder"], "argument --save-dir: '/no/such/folder' is not a folder"),
+    (["bench", "moe_route", "--json", "/no/such/folder/rows.json"],
+     "argument --json: cannot write '/no/such/folder/rows.json': no folder /no/such/folder"),
+    (["model", "--markdown", "/"], "argument --markdown: '/' is a folder, not a file"),
+    (["report", "moe_route", "--plot", "/no/such/folder/r.png"],
+     "argument --plot: cannot write '/no/such/folder/r.png': no folder /no/such/folder"),
+    (["table", "moe_route", "--export", "/no/such/folder/t.json"],
+     "argument --export: cannot write '/no/such/folder/t.json': no folder /no/such/folder"),
 ])
 def test_numbers_and_names_out_of_range_are_one_line_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
