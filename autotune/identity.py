@@ -28,12 +28,13 @@ _KERNELS = "flashkern.kernels"
 
 @functools.cache
 def library_versions() -> dict[str, str]:
-    import tilelang
-    import triton
+    """The versions a result depends on; Triton's and TileLang's from their installed metadata (the same strings
+    as their __version__), so that reading a store does not import them."""
+    from importlib.metadata import version
 
     from flashkern.autotune.timing import METHOD
 
-    return {"torch": torch.__version__, "triton": triton.__version__, "tilelang": tilelang.__version__,
+    return {"torch": torch.__version__, "triton": version("triton"), "tilelang": version("tilelang"),
             "flashkern": flashkern.__version__, "timing": METHOD}
 
 

@@ -396,3 +396,13 @@ def test_tune_command_prints_the_table_and_resumes(tmp_path):
     second = _cli(*args, db=db)
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0 and "0 new results" in out and "0 builds" in out and "0 new decisions" in out, out
+
+
+def test_library_versions_read_without_importing_are_the_libraries_own():
+    """Results are keyed on Triton's and TileLang's versions, read from their metadata (reading a store imports
+    neither): the strings their modules report, so results stored before this stay current."""
+    import tilelang
+    import triton
+
+    versions = identity.library_versions()
+    assert (versions["triton"], versions["tilelang"]) == (triton.__version__, tilelang.__version__)
