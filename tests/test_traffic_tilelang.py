@@ -135,6 +135,21 @@ def test_one_element_twice_in_one_expression_is_one_read():
     assert measure(squared, [torch.zeros(n), torch.zeros(n)]) == _traffic(4, n * F32, n * F32)
 
 
+def test_the_same_element_of_two_tensors_is_two_reads():
+    """A[i] * C[i]: two tensors of one shape at one index are two requests (the load's structure alone is the
+    same for both)."""
+    N = T.dynamic("N")
+
+    @T.prim_func
+    def product(A: T.Tensor((N,), "float32"), C: T.Tensor((N,), "float32"), B: T.Tensor((N,), "float32")):
+        with T.Kernel(T.ceildiv(N, TILE), threads=TILE) as bx:
+            for i in T.Parallel(TILE):
+                B[bx * TILE + i] = A[bx * TILE + i] * C[bx * TILE + i]
+
+    n = 4 * TILE
+    assert measure(product, [torch.zeros(n), torch.zeros(n), torch.zeros(n)]) == _traffic(4, 2 * n * F32, n * F32)
+
+
 def test_every_cta_reads_the_shared_vector():
     R = T.dynamic("R")
 

@@ -377,8 +377,9 @@ class _Counter:
 
     def first_load(self, load: E.BufferLoad) -> bool:
         """Whether this statement has not loaded the same element under the same (evaluable) guards yet: copies
-        of one load in an expression (a T.macro expanding its argument several times) are one request."""
-        key = (tvm.ir.structural_hash(load),
+        of one load in an expression (a T.macro expanding its argument several times) are one request. The buffer
+        is part of the key: the structural hash of A[i] and of C[i] is the same for two buffers of one shape."""
+        key = (load.buffer.data, tvm.ir.structural_hash(load),
                tuple(tvm.ir.structural_hash(g.condition) for g in self.guards if not g.unknown))
         if key in self.loaded:
             return False
