@@ -9,7 +9,9 @@ kernel launches themselves stubbed out (so only Python runs), per call:
   custom op  torch.ops.flashkern.<name>(..., backend="triton"), through the torch dispatcher;
   checked    the auto call in checked mode (value checks read the index tensors), for operators that have them;
   dispatcher the torch dispatcher alone: an op with the same schema whose kernel returns at once (the part of the
-             custom op's cost that is torch's: boxing every argument to and from Python).
+             custom op's cost that is torch's: boxing every argument to and from Python);
+  ours       the custom op less the dispatcher alone and less bare: flashkern's own part of the custom op's
+             overhead (to set beside direct's).
 
 How it holds on a shared machine: every path runs `--number` calls a batch, the batches interleaved in `--rounds`
 rounds (so a slow spell hits every path alike), and a path's overhead is taken round by round (its batch less the
@@ -165,7 +167,7 @@ def measure(calls: dict, number: int, rounds: int, counter: InstructionCounter) 
             against = base.get(name, "bare")
             row[name] = spread(times[name] if against is None else
                                [a - b for a, b in zip(times[name], times[against])])
-    row["ours"] = spread([a - b for a, b in zip(times["custom op"], times["dispatcher"])])
+    row["ours"] = spread([c - d - b for c, d, b in zip(times["custom op"], times["dispatcher"], times["bare"])])
     if counter.why is None:
         row["instructions"] = {name: counter.count(fn, number) for name, fn in calls.items()}
     return row
@@ -204,7 +206,7 @@ def main() -> None:
     print(f"host cost on {devices.info(DEVICE).describe()}, us per call: median [25th, 75th percentile] of "
           f"{args.rounds} interleaved rounds of {args.number} calls; launches stubbed")
     print(f"{'operator':24}{'bare':>20}  {'over bare: direct':>20}{'auto':>21}{'custom op':>21}  "
-          f"{'checked over auto':>20}  {'dispatcher alone':>20}  {'custom op less dispatcher':>26}")
+          f"{'checked over auto':>20}  {'dispatcher alone':>20}  {'ours (custom op less both)':>26}")
     for name, row in rows.items():
         print(f"{name:24}{_cell(row['bare'])}  {_cell(row['direct'])} {_cell(row['auto'])} {_cell(row['custom op'])}"
               f"  {_cell(row.get('checked'))}  {_cell(row['dispatcher'])}  {_cell(row['ours']):>26}")

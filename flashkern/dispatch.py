@@ -19,8 +19,8 @@ prints each choice to stderr once per (operator, problem, device).
 The checks and the choice are made once per call signature (operator, backend, config, the values and
 classes of the other arguments, and the class, dtype, device, sizes and strides of every tensor) and
 cached (`CallSite`): a repeated call costs a dictionary lookup and one C++ guard check of its tensors,
-2 to 4 us in all on a 2-core CI machine (benchmarks/dispatch_overhead.py). Nothing on this path reads
-tensor values (value checks run in checked mode only, flashkern.checks).
+2.0 to 3.3 us over the bare launch (median) on a 2-core CI machine (benchmarks/dispatch_overhead.py). Nothing
+on this path reads tensor values (value checks run in checked mode only, flashkern.checks).
 """
 
 from __future__ import annotations

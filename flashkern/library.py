@@ -12,8 +12,8 @@ an input). Fake (meta): the metadata checks on the fake inputs, then the operato
 traced graph gets the same argument errors and never touches data.
 
 `flashkern.ops.<name>` calls the custom op while torch.compile traces it. Eager calls go straight to the
-same path: the dispatcher's round trip (about 3 us on a 2-core CI machine) would be most of the call's
-overhead budget (benchmarks/dispatch_overhead.py measures both).
+same path: the dispatcher's round trip (2.7 to 7.9 us on a 2-core CI machine, by the number of arguments) would
+be more than the rest of the call's overhead (benchmarks/dispatch_overhead.py measures both).
 """
 
 from __future__ import annotations
