@@ -19,7 +19,8 @@ VERBS = """verbs:
                                          reference; a failure shrunk to a runnable snippet
   flashkern model [OP ...] [--preset P]  predicted H200 time and roofline fraction per kernel (a model; bench
                                          and report show the saved one, docs/model-h200.json)
-  flashkern tune OP [--preset P]         measure every implementation and config per shape into the store
+  flashkern tune OP... [--preset P]      measure every implementation and config per shape into the store
+                                         (--ray local:N | auto | ADDRESS: over a Ray cluster)
   flashkern table OP                     what backend="auto" runs per shape here; --export / --import JSON
   flashkern explain OP [--shapes 1,37]   what backend="auto" runs per shape here, and why
   flashkern report OP                    per-shape comparison of the stored results, and a PNG plot
@@ -71,6 +72,15 @@ def backend_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}: expected "
                                          f"{' or '.join(KERNEL_BACKENDS)}, comma-separated")
     return names
+
+
+def ray_address(text: str) -> str:
+    """--ray: local:N (N >= 1), auto, or a cluster address."""
+    if text.startswith("local:"):
+        positive_int(text.split(":", 1)[1])
+    elif not text:
+        raise argparse.ArgumentTypeError("expected local:N, auto or a cluster address (host:port)")
+    return text
 
 
 def config_json(text: str) -> dict:
@@ -180,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda if present)")
 
     p = sub.add_parser("tune", help="measure every implementation and config per shape into the store")
-    p.add_argument("op")
+    p.add_argument("ops", nargs="+", metavar="OP", help="operators")
     p.add_argument("--preset", default="smoke", help="shape preset (default: smoke)")
     p.add_argument("--shapes", type=shape_list, default=None,
                    help="explicit sizes for each specialization of the preset, comma-separated (e.g. 1,7,300; "
@@ -192,6 +202,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-configs", type=count, default=24, help="configs per implementation and shape (0: all)")
     p.add_argument("--jobs", type=positive_int, default=None, help="parallel build processes (default: CPU count)")
     p.add_argument("--seed", type=count, default=0, help="seed of the inputs and the config sample")
+    p.add_argument("--ray", type=ray_address, default=None, metavar="ADDRESS",
+                   help="run the sweep on a Ray cluster: local:N (N worker CPUs on this machine), auto (the cluster "
+                   "this machine belongs to) or host:port; --device defaults to the cluster's GPUs if it has any")
     store_options(p)
 
     p = sub.add_parser("table", help="what backend='auto' runs per shape on this device")

@@ -38,10 +38,12 @@ exceeds the winner's by more than half of each IQR plus 3% of the winner's media
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,7 +127,7 @@ def _key(op, problem, candidate: Candidate, dtypes: str, device_key: str) -> st.
                   identity.versions(op, candidate.impl))
 
 
-def _build(op_name: str, impl_name: str, problem, config: dict, device: str):
+def build(op_name: str, impl_name: str, problem, config: dict, device: str):
     """Worker: compile one kernel; on sm_90 devices also report its resources. Returns (status, reason, report)."""
     from flashkern.kernels._tilelang import CPU, GPU
 
@@ -155,119 +157,74 @@ def _outlier(timing: Timing, rounds: list[Timing]) -> bool:
     return timing.spread > OUTLIER_SPREAD or (max(medians) - min(medians)) / timing.median > ROUND_DISAGREEMENT
 
 
-class Tuner:
-    def __init__(self, store: st.Store, device: str | None = None, budget: float = 0.2, max_configs: int = 24,
-                 workers: int | None = None, seed: int = 0, progress=None, threads: int | None = None,
-                 backends=None):
-        """budget: seconds of timing per candidate and pass; threads: torch threads while timing (default
-        flashkern.autotune.timing.default_threads: 1 on CPU); backends: implementations to tune (default all;
-        the reference always competes)."""
-        self.store = store
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+@dataclass
+class ShapeWork:
+    """One shape's checking, timing and decision, as a process without the store does it: the candidates to
+    check and time (their builds passed), the current results the decision weighs besides theirs, and whether a
+    current decision exists already (then none is taken)."""
+
+    op: str
+    problem: Any
+    todo: list[Candidate]
+    stored: list[tuple[Candidate, st.Result]]  # OK results of the shape's other candidates, at the sweep's threads
+    decided: bool
+
+
+@dataclass
+class ShapeOutcome:
+    results: list[st.Result]  # one per candidate of the work's todo: timed, or why not
+    decision: st.Decision | None
+
+
+class Measurer:
+    """Checks candidates against the reference, times them and decides shapes on this process's device; it writes
+    nothing (a Tuner, or a Ray sweep's driver, stores what it returns). Results are keyed on this process's own
+    device identity."""
+
+    def __init__(self, device: str, budget: float, threads: int, seed: int = 0, progress=None):
+        self.device = torch.device(device)
         self.info = devices.info(self.device)
-        self.budget = budget
-        self.max_configs = max_configs
-        self.workers = workers or max(1, (os.cpu_count() or 2) - (1 if self.info.kind == "cuda" else 0))
-        self.seed = seed
-        self.progress = progress  # callable(total=..., advance=..., description=...)
-        self.threads = threads or default_threads(self.device)
-        self.backends = backends
+        self.budget, self.threads, self.seed, self.progress = budget, threads, seed, progress
 
     def _report(self, **kw):
         if self.progress:
             self.progress(**kw)
 
-    def _candidates(self, op, problem) -> list[Candidate]:
-        return candidates(op, problem, self.info, self.max_configs, self.seed, self.backends)
+    def measure(self, work: ShapeWork, inputs: dict | None = None, on_result=None) -> ShapeOutcome:
+        """The work's results and decision; on_result(result), when given, is called as each result is ready (a
+        sweep in this process stores it then: a killed sweep loses at most the candidate it was timing)."""
+        op, problem = registry.get(work.op), work.problem
+        results = []
 
-    def _reusable(self, result: st.Result | None) -> bool:
-        """A stored result stands unless it was timed at another thread count (or before counts were stored)."""
-        return result is not None and (result.status != st.OK or result.threads == self.threads)
-
-    def tune(self, op_name: str, problems) -> Summary:
-        op = registry.get(op_name)
-        summary = Summary()
-        plans = []
-        for problem in problems:
-            inputs = op.make_inputs(problem, self.device, seed=self.seed)
-            dtypes = identity.dtypes(inputs)
-            todo = []
-            for cand in self._candidates(op, problem):
-                key = _key(op, problem, cand, dtypes, self.info.key)
-                if self._reusable(self.store.get(key)):
-                    summary.reused += 1
-                else:
-                    todo.append((cand, key))
-            plans.append((problem, inputs, dtypes, todo))
-
-        builds = [(problem, cand, key) for problem, _, _, todo in plans for cand, key in todo
-                  if cand.impl != "reference" and (self.info.kind == "cuda" or cand.impl == "tilelang")]
-        timed = sum(len(todo) for *_, todo in plans)
-        self._report(total=len(builds) + timed + len(plans), description=f"tuning {op.name}")
-        failed = self._build_all(op, builds, summary)
-
-        for problem, inputs, dtypes, todo in plans:
-            expected = op.reference(**inputs)
-            to_time = []
-            for cand, key in todo:
-                if key in failed:  # stored by _build_all
-                    self._report(advance=1)
-                    continue
-                rejected = self._check(op, problem, inputs, expected, cand, key)
-                if rejected is None:
-                    to_time.append((cand, key))
-                else:
-                    self.store.put(rejected)
-                    summary.measured += 1
-                    self._report(advance=1)
-            timings = self._time([self._run(op, problem, inputs, cand) for cand, _ in to_time])
-            for (cand, key), timing in zip(to_time, timings):
-                self.store.put(self._result(op, problem, cand, key, st.OK, timing=timing))
-                summary.measured += 1
-                self._report(advance=1)
-            self._decide(op, problem, inputs, dtypes, summary)
+        def done(result: st.Result) -> st.Result:
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
             self._report(advance=1)
-        return summary
+            return result
 
-    # ------------------------------------------------------------ steps
+        if inputs is None:
+            inputs = op.make_inputs(problem, self.device, seed=self.seed)
+        dtypes = identity.dtypes(inputs)
+        expected = op.reference(**inputs) if work.todo else None
+        to_time = []
+        for cand in work.todo:
+            key = _key(op, problem, cand, dtypes, self.info.key)
+            rejected = self._check(op, problem, inputs, expected, cand, key)
+            if rejected is None:
+                to_time.append((cand, key))
+            else:
+                done(rejected)
+        timings = self._time([self._run(op, problem, inputs, cand) for cand, _ in to_time])
+        timed = [(cand, done(self._result(op, problem, cand, key, st.OK, timing=timing)))
+                 for (cand, key), timing in zip(to_time, timings)]
+        own = [(cand, r) for cand, r in work.stored if r.key.device == self.info.key]
+        decision = None if work.decided else self._decide(op, problem, inputs, dtypes, own + timed)
+        return ShapeOutcome(results, decision)
 
     def _result(self, op, problem, cand: Candidate, key: st.Key, status: str, reason: str = "", timing=None,
                 report=None) -> st.Result:
-        cost = op.cost(problem)
-        figures = dict(median=timing.median, low=timing.low, high=timing.high, reps=timing.reps, iqr=timing.iqr,
-                       threads=timing.threads) if timing else {}
-        return st.Result(
-            key=key, spec=repr(problem.specialization()), sizes=tuple(problem.sizes), is_default=cand.is_default,
-            bytes=cost.bytes, flops=cost.flops, status=status, reason=reason, **figures,
-            registers=report.registers if report else None, spills=report.spills if report else None,
-            smem=report.smem if report else None)
-
-    def _build_all(self, op, builds, summary: Summary) -> set:
-        """Build in parallel (one worker: in this process, which then holds the kernels); store failures and pruned
-        configs; return their keys."""
-        failed = set()
-        if not builds:
-            return failed
-
-        def record(problem, cand, key, status, reason, report):
-            summary.built += 1
-            if status != st.OK:
-                self.store.put(self._result(op, problem, cand, key, status, reason, report=report))
-                summary.measured += 1
-                failed.add(key)
-            self._report(advance=1)
-
-        if min(self.workers, len(builds)) == 1:
-            for problem, cand, key in builds:
-                record(problem, cand, key, *_build(op.name, cand.impl, problem, cand.config, str(self.device)))
-            return failed
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(builds)), mp_context=context) as pool:
-            futures = {pool.submit(_build, op.name, cand.impl, problem, cand.config, str(self.device)):
-                       (problem, cand, key) for problem, cand, key in builds}
-            for future in as_completed(futures):
-                record(*futures[future], *future.result())
-        return failed
+        return result_of(op, problem, cand, key, status, reason, timing, report)
 
     def _run(self, op, problem, inputs, cand: Candidate):
         if cand.impl == "reference":
@@ -313,20 +270,12 @@ class Tuner:
                 break
         return [kept[i][2] for i in range(len(runs))]
 
-    def _decide(self, op, problem, inputs, dtypes: str, summary: Summary) -> st.Decision | None:
-        versions = identity.op_versions(op)
-        for existing in self.store.decisions(op.name, self.info.key):
-            if (existing.shape, existing.dtypes, existing.versions, existing.threads) == \
-                    (problem.key, dtypes, versions, self.threads):
-                return None  # already decided for these versions at this thread count
-        current = []
-        for cand in self._candidates(op, problem):
-            result = self.store.get(_key(op, problem, cand, dtypes, self.info.key))
-            if result is not None and result.status == st.OK and result.threads == self.threads:
-                current.append((cand, result))
+    def _decide(self, op, problem, inputs, dtypes: str, current: list[tuple[Candidate, st.Result]]) \
+            -> st.Decision | None:
+        """The leaders of the current results re-timed together, and the verdict (step 5 of the module docstring)."""
+        current = sorted(current, key=lambda c: c[1].median)
         if not current:
             return None
-        current.sort(key=lambda c: c[1].median)
         best = current[0][1]
         close = sum(1 for _, r in current if r.median <= LEADER_WINDOW * best.median or not beats(best, r))
         leaders = [cand for cand, _ in current[:min(MAX_LEADERS, max(2, close))]]
@@ -340,9 +289,156 @@ class Tuner:
                 if separated:
                     break
         winner, timing = leaders[won], timings[won]
-        decision = st.Decision(op.name, problem.key, dtypes, self.info.key, versions, repr(problem.specialization()),
-                               tuple(problem.sizes), winner.impl, st.canonical(winner.config), timing.median, reason,
-                               iqr=timing.iqr, threads=self.threads)
-        self.store.decide(decision)
-        summary.decided += 1
-        return decision
+        return st.Decision(op.name, problem.key, dtypes, self.info.key, identity.op_versions(op),
+                           repr(problem.specialization()), tuple(problem.sizes), winner.impl,
+                           st.canonical(winner.config), timing.median, reason, iqr=timing.iqr, threads=self.threads)
+
+
+def result_of(op, problem, cand: Candidate, key: st.Key, status: str, reason: str = "", timing=None,
+              report=None) -> st.Result:
+    cost = op.cost(problem)
+    figures = dict(median=timing.median, low=timing.low, high=timing.high, reps=timing.reps, iqr=timing.iqr,
+                   threads=timing.threads) if timing else {}
+    return st.Result(
+        key=key, spec=repr(problem.specialization()), sizes=tuple(problem.sizes), is_default=cand.is_default,
+        bytes=cost.bytes, flops=cost.flops, status=status, reason=reason, **figures,
+        registers=report.registers if report else None, spills=report.spills if report else None,
+        smem=report.smem if report else None)
+
+
+@dataclass
+class Build:
+    """A kernel to build before its shape is measured."""
+
+    problem: Any
+    candidate: Candidate
+    key: st.Key
+
+
+class Tuner:
+    """A sweep on this machine: plans from the store, builds in worker processes, measures shape by shape in this
+    process (Measurer), stores every result and decision as it comes (autotune.ray_sweep runs the same plan over a
+    Ray cluster)."""
+
+    def __init__(self, store: st.Store, device: str | None = None, budget: float = 0.2, max_configs: int = 24,
+                 workers: int | None = None, seed: int = 0, progress=None, threads: int | None = None,
+                 backends=None, info=None):
+        """budget: seconds of timing per candidate and pass; threads: torch threads while timing (default
+        flashkern.autotune.timing.default_threads: 1 on CPU); backends: implementations to tune (default all;
+        the reference always competes); info: the measuring device's identity when it is not this process's (a
+        Ray sweep's driver plans for its workers' device)."""
+        self.store = store
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.info = info or devices.info(self.device)
+        self.budget = budget
+        self.max_configs = max_configs
+        self.workers = workers or max(1, (os.cpu_count() or 2) - (1 if self.info.kind == "cuda" else 0))
+        self.seed = seed
+        self.progress = progress  # callable(total=..., advance=..., description=...)
+        self.threads = threads or default_threads(self.device)
+        self.backends = backends
+
+    def _report(self, **kw):
+        if self.progress:
+            self.progress(**kw)
+
+    def _candidates(self, op, problem) -> list[Candidate]:
+        return candidates(op, problem, self.info, self.max_configs, self.seed, self.backends)
+
+    def _reusable(self, result: st.Result | None) -> bool:
+        """A stored result stands unless it was timed at another thread count (or before counts were stored)."""
+        return result is not None and (result.status != st.OK or result.threads == self.threads)
+
+    def tune(self, op_name: str, problems) -> Summary:
+        op = registry.get(op_name)
+        summary = Summary()
+        works, builds = self.plan(op, problems, summary, device=self.device)
+        self._report(total=len(builds) + sum(len(w.todo) + 1 for w, _ in works), description=f"tuning {op.name}")
+        failed = self._build_all(op, builds, summary)
+        measurer = Measurer(str(self.device), self.budget, self.threads, self.seed, self.progress)
+        def stored(result: st.Result) -> None:
+            self.store.put(result)
+            summary.measured += 1
+
+        for work, inputs in works:
+            outcome = measurer.measure(self.without_failed(op, work, inputs, failed), inputs, on_result=stored)
+            self.store_decision(outcome.decision, summary)
+            self._report(advance=1)
+        return summary
+
+    def plan(self, op, problems, summary: Summary, device="cpu") -> tuple[list[tuple[ShapeWork, dict]], list[Build]]:
+        """Per problem, its work (with the inputs made on `device`, which give its dtypes) and the builds it waits
+        for; candidates already in the store count as reused."""
+        works, builds = [], []
+        versions = identity.op_versions(op)
+        decided = {(d.shape, d.dtypes, d.versions, d.threads) for d in self.store.decisions(op.name, self.info.key)}
+        for problem in problems:
+            inputs = op.make_inputs(problem, device, seed=self.seed)
+            dtypes = identity.dtypes(inputs)
+            todo, stored = [], []
+            for cand in self._candidates(op, problem):
+                key = _key(op, problem, cand, dtypes, self.info.key)
+                found = self.store.get(key)
+                if self._reusable(found):
+                    summary.reused += 1
+                    if found.status == st.OK:
+                        stored.append((cand, found))
+                else:
+                    todo.append(cand)
+                    if cand.impl != "reference" and (self.info.kind == "cuda" or cand.impl == "tilelang"):
+                        builds.append(Build(problem, cand, key))
+            works.append((ShapeWork(op.name, problem, todo, stored,
+                                    (problem.key, dtypes, versions, self.threads) in decided), inputs))
+        return works, builds
+
+    def without_failed(self, op, work: ShapeWork, inputs: dict, failed: set) -> ShapeWork:
+        """The work less the candidates whose build failed or was pruned (stored already)."""
+        dtypes = identity.dtypes(inputs)
+        todo = [c for c in work.todo if _key(op, work.problem, c, dtypes, self.info.key) not in failed]
+        self._report(advance=len(work.todo) - len(todo))
+        return dataclasses.replace(work, todo=todo)
+
+    def store_outcome(self, outcome: ShapeOutcome, summary: Summary) -> None:
+        """Store a shape's results, then its decision (a Ray sweep's driver, as each shape's task returns)."""
+        for result in outcome.results:
+            self.store.put(result)
+            summary.measured += 1
+        self.store_decision(outcome.decision, summary)
+
+    def store_decision(self, decision: st.Decision | None, summary: Summary) -> None:
+        if decision is not None:
+            self.store.decide(decision)
+            summary.decided += 1
+
+    def store_build(self, op, build: Build, status: str, reason: str, report, summary: Summary) -> bool:
+        """Record one finished build; a failed or pruned one is stored as its result. True when it passed."""
+        summary.built += 1
+        self._report(advance=1)
+        if status == st.OK:
+            return True
+        self.store.put(result_of(op, build.problem, build.candidate, build.key, status, reason, report=report))
+        summary.measured += 1
+        return False
+
+    def _build_all(self, op, builds: list[Build], summary: Summary) -> set:
+        """Build in parallel (one worker: in this process, which then holds the kernels); store failures and pruned
+        configs; return their keys."""
+        failed = set()
+        if not builds:
+            return failed
+
+        def record(build, status, reason, report):
+            if not self.store_build(op, build, status, reason, report, summary):
+                failed.add(build.key)
+
+        if min(self.workers, len(builds)) == 1:
+            for b in builds:
+                record(b, *build(op.name, b.candidate.impl, b.problem, b.candidate.config, str(self.device)))
+            return failed
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(builds)), mp_context=context) as pool:
+            futures = {pool.submit(build, op.name, b.candidate.impl, b.problem, b.candidate.config,
+                                   str(self.device)): b for b in builds}
+            for future in as_completed(futures):
+                record(futures[future], *future.result())
+        return failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -376,26 +377,36 @@ def _problems(op, args) -> list:
 
 
 def cmd_tune(args) -> int:
+    from flashkern.autotune import ray_sweep
     from flashkern.autotune.tuner import Tuner
     from flashkern.dispatch import reload_tables
 
-    op = registry.get(_op_names([args.op])[0])
-    problems = _problems(op, args)
+    sweep = {name: _problems(registry.get(name), args) for name in _op_names(args.ops)}
     with _store(args, create=True) as store, Progress(TextColumn("{task.description}"), BarColumn(),
                                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                                          TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task(f"tuning {op.name}", total=None)
+        task = progress.add_task(f"tuning {', '.join(sweep)}", total=None)
 
         def report(total=None, advance=0, description=None):
-            progress.update(task, total=total, advance=advance, description=description or None)
+            if total is not None:  # a new sweep (one per operator without Ray): counted from zero
+                progress.reset(task, total=total, description=description or None)
+            progress.update(task, advance=advance)
 
-        tuner = Tuner(store, args.device, budget=args.budget, max_configs=args.max_configs, workers=args.jobs,
-                      seed=args.seed, progress=report, threads=args.threads)
-        summary = tuner.tune(op.name, problems)
-        console.print(f"store {store.path}: {summary.measured} new results, {summary.reused} reused, "
-                      f"{summary.built} builds, {summary.decided} new decisions")
+        if args.ray:
+            summaries = ray_sweep.tune(store, sweep, args.ray, args.device, budget=args.budget,
+                                       max_configs=args.max_configs, seed=args.seed, threads=args.threads,
+                                       progress=report)
+        else:
+            tuner = Tuner(store, args.device, budget=args.budget, max_configs=args.max_configs, workers=args.jobs,
+                          seed=args.seed, progress=report, threads=args.threads)
+            summaries = {name: tuner.tune(name, problems) for name, problems in sweep.items()}
+        for name, summary in summaries.items():
+            console.print(f"{name}: store {store.path}: {summary.measured} new results, {summary.reused} reused, "
+                          f"{summary.built} builds, {summary.decided} new decisions")
     reload_tables()
-    return cmd_table(args)
+    for name in sweep:
+        cmd_table(argparse.Namespace(**{**vars(args), "op": name, "ray": None}))
+    return 0
 
 
 def cmd_table(args) -> int:

@@ -18,7 +18,7 @@ from flashkern.autotune import store as st
 from flashkern.autotune import timing
 from flashkern.autotune import tuner as tuners
 from flashkern.autotune.timing import Timing, beats, measure, pooled, summarize
-from flashkern.autotune.tuner import Candidate, Tuner, verdict
+from flashkern.autotune.tuner import Candidate, Measurer, Tuner, verdict
 
 REFERENCE = Candidate("reference", {}, True, True)
 DEFAULT = Candidate("tilelang", {"block": 1}, True, True)
@@ -89,7 +89,7 @@ class _Scripted:
         return summarize([median * 0.99, median, median * 1.01], 30, threads)
 
 
-def test_rounds_interleave_and_outliers_are_measured_again(tmp_path, monkeypatch):
+def test_rounds_interleave_and_outliers_are_measured_again(monkeypatch):
     def steady():
         pass
 
@@ -101,8 +101,7 @@ def test_rounds_interleave_and_outliers_are_measured_again(tmp_path, monkeypatch
     script = _Scripted({steady: itertools.repeat(1e-4),
                         noisy: [2e-4] * (rounds - 1) + [9e-4] + [2e-4] * rounds})
     monkeypatch.setattr(tuners, "measure", script)
-    with st.Store(tmp_path / "t.sqlite3") as store:
-        got = Tuner(store, "cpu", budget=0.01)._time([steady, noisy])
+    got = Measurer("cpu", budget=0.01, threads=1)._time([steady, noisy])
     first_pass = script.calls[:2 * rounds]
     assert all(set(first_pass[2 * r:2 * r + 2]) == {steady, noisy} for r in range(rounds))  # every round: both
     assert first_pass[0] is not first_pass[2]  # the order rotates
