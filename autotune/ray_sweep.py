@@ -3,7 +3,7 @@
 The driver (this process) plans from the store as a sweep on one machine does (`Tuner.plan`: candidates already
 stored are reused), for the device its workers measure on (asked of one of them), then runs the work as Ray tasks:
   builds   one task each, on any worker with a CPU (TileLang's C compile, or the sm_90a build whose resources
-           prune spilling configs);
+           prune spilling configs: on a CUDA sweep every node needs nvcc, as `flashkern compile-check` does);
   shapes   one task per shape once its builds are in, on a worker that owns the device (a GPU and one task at a
            time per GPU on a CUDA sweep, a CPU on a CPU sweep): the candidates checked against the reference,
            timed in interleaved rounds and the shape decided (`Measurer`), keyed by that worker's own device
@@ -94,7 +94,7 @@ def tune(store: st.Store, sweep: dict[str, list], address: str, device: str | No
         for op, shapes, builds in planned:
             for b in builds:
                 shapes[b.problem].builds_left += 1
-                ref = build_task.remote(op.name, b.candidate.impl, b.problem, b.candidate.config, device)
+                ref = build_task.remote(op.name, b.candidate.impl, b.problem, b.candidate.config, info)
                 pending[ref] = (op, shapes[b.problem], b)
             for shape in shapes.values():
                 if not shape.builds_left:

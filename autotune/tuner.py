@@ -127,13 +127,16 @@ def _key(op, problem, candidate: Candidate, dtypes: str, device_key: str) -> st.
                   identity.versions(op, candidate.impl))
 
 
-def build(op_name: str, impl_name: str, problem, config: dict, device: str):
-    """Worker: compile one kernel; on sm_90 devices also report its resources. Returns (status, reason, report)."""
+def build(op_name: str, impl_name: str, problem, config: dict, info) -> tuple:
+    """Worker: build one kernel for the measuring device `info` (a DeviceInfo, perhaps not this process's): on sm_90
+    the sm_90a build, whose resources prune a spilling config; a TileLang kernel is also compiled where this process
+    can run it (filling TileLang's disk cache for the measuring process). Returns (status, reason, report)."""
+    import torch
+
     from flashkern.kernels._tilelang import CPU, GPU
 
     op = registry.get(op_name)
     impl = op.implementation(impl_name)
-    info = devices.info(device)
     try:
         report = None
         sm90 = info.kind == "cuda" and info.capability == (9, 0)
@@ -143,7 +146,7 @@ def build(op_name: str, impl_name: str, problem, config: dict, device: str):
             report = impl.build_sm90(problem, inputs, config, op.empty_outputs(problem, inputs))
             if report.spills:
                 return st.PRUNED, f"spills {report.spills} B at {report.registers} registers (sm_90a)", report
-        if impl_name == "tilelang":
+        if impl_name == "tilelang" and (info.kind == "cpu" or torch.cuda.is_available()):
             impl.kernel.compiled(problem, config, GPU if info.kind == "cuda" else CPU, inputs)
         return st.OK, "", report
     except Exception as exc:  # a failed build is a stored result, not a crash of the sweep
@@ -433,12 +436,12 @@ class Tuner:
 
         if min(self.workers, len(builds)) == 1:
             for b in builds:
-                record(b, *build(op.name, b.candidate.impl, b.problem, b.candidate.config, str(self.device)))
+                record(b, *build(op.name, b.candidate.impl, b.problem, b.candidate.config, self.info))
             return failed
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(builds)), mp_context=context) as pool:
-            futures = {pool.submit(build, op.name, b.candidate.impl, b.problem, b.candidate.config,
-                                   str(self.device)): b for b in builds}
+            futures = {pool.submit(build, op.name, b.candidate.impl, b.problem, b.candidate.config, self.info): b
+                       for b in builds}
             for future in as_completed(futures):
                 record(futures[future], *future.result())
         return failed
