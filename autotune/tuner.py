@@ -24,8 +24,10 @@ For one operator and a list of problems, on one device:
      those it does not beat wins (the reference, then a default config, then the faster), with a
      reason starting "within noise". The decision is stored with the winner's median and IQR
      from that re-time, the thread count, and the versions of every candidate.
+Steps 4 and 5 run in a Measurer, which writes nothing: the Tuner stores each result as it comes, and
+autotune.ray_sweep runs them as one Ray task per shape.
 
-A timing pass (`Tuner._time`, step 4) runs ROUNDS interleaved rounds: each round times every
+A timing pass (`Measurer._time`, step 4) runs ROUNDS interleaved rounds: each round times every
 candidate once for budget / ROUNDS seconds (flashkern.autotune.timing.measure, at the tuner's
 fixed torch thread count), starting one candidate further along each round, so a slow spell of
 the machine falls on all candidates alike rather than on one. A candidate's figure pools the
