@@ -11,7 +11,6 @@ FLASHKERN_CHECKED=0 is set; tests of the default mode turn it off where they nee
 import os
 
 os.environ.setdefault("FLASHKERN_CHECKED", "1")  # before flashkern is imported
-os.environ.setdefault("FLASHKERN_FAST_C_BUILDS", "1")  # TileLang C compiles skip a simplifier pass (a third of their time)
 
 import flashkern  # noqa: E402,F401  (before any test module imports triton: flashkern picks the interpreter, which
 # Triton reads when its own library is decorated; a module importing triton first left tl.cdiv a plain JITFunction)

@@ -177,7 +177,9 @@ def _c_codegen_without_simplify():
     pass took 25-50% of a C compile here (paged_mqa_logits 3.2 -> 1.8 s, moe_route_gate 3.2 -> 1.7 s; the C
     sources are the same but for the few folds it made); a test run's C compiles went from 341 to 251 s of CPU.
     The C compiler (-O2) folds the same arithmetic. CUDA builds keep it: the sm_90a source is what GPU users get.
-    Opt-in (FAST_C_BUILDS_ENV=1; the test suite sets it): by default a C compile is TileLang's own.
+    It is also a fix: that pass folds a float constant into a bit reinterpretation (a bf16 store of -inf), which
+    the C code generator then prints as `*(uint32_t *)(&(-INFINITY))`, the address of a constant, which does not
+    compile (tests/test_compile_check.py notices when a TileLang upgrade fixes it).
     """
     from tvm import transform
     from tvm.ir.instrument import pass_instrument
@@ -239,21 +241,16 @@ def row_strided(shape: tuple, dtype: str, name: str):
     return T.StridedTensor(shape, strides, dtype)
 
 
-FAST_C_BUILDS_ENV = "FLASHKERN_FAST_C_BUILDS"  # "1": C compiles skip the simplifier (_c_codegen_without_simplify)
-
-
 def compile_cpu(prim_func):
     """Compile a CPU-flavour kernel to C with optimization (TileLang caches it on disk too).
 
     TileLang 0.1.15 writes the C source and library of each compile to the temporary folder and never removes them
     (thousands of files after a test run); they are written to a folder of ours, removed once the library is loaded
     and copied to TileLang's cache. The folder is set through `tempfile.tempdir`, a process-wide setting: compiles
-    must not run on several threads of one process at once (ours run one per process).
-    With FLASHKERN_FAST_C_BUILDS=1 in the environment (the test suite's setting) the compile skips TileLang's last
-    simplifier pass (_c_codegen_without_simplify: the same kernel, built in two thirds of the time)."""
-    fast = os.environ.get(FAST_C_BUILDS_ENV, "0") not in ("", "0")
+    must not run on several threads of one process at once (ours run one per process). TileLang's C target needs two
+    fixes, both applied only while this compile runs: _c_wrapper_with_strides and _c_codegen_without_simplify."""
     with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder, _quiet_tilelang(), \
-            _c_wrapper_with_strides(), _c_codegen_without_simplify() if fast else contextlib.nullcontext():
+            _c_wrapper_with_strides(), _c_codegen_without_simplify():
         shared_default, tempfile.tempdir = tempfile.tempdir, folder
         try:
             return tilelang.compile(prim_func, target="c", pass_configs=CPU_PASS_CONFIGS,
