@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each path")
     args = parser.parse_args()
     paths = {"one process": ("--jobs", "1")}
-    paths.update({f"Ray, {n} worker{'' if n == '1' else 's'}": ("--ray", f"local:{n}") for n in args.workers.split(",")})
+    for n in args.workers.split(","):
+        paths[f"Ray, {n} worker{'' if n == '1' else 's'}"] = ("--ray", f"local:{n}")
     times = {name: [] for name in paths}
     with tempfile.TemporaryDirectory() as tmp:
         sweep_seconds(args.ops, Path(tmp) / "warm.sqlite3", paths["one process"])
