@@ -133,8 +133,6 @@ def build(op_name: str, impl_name: str, problem, config: dict, info) -> tuple:
     """Worker: build one kernel for the measuring device `info` (a DeviceInfo, perhaps not this process's): on sm_90
     the sm_90a build, whose resources prune a spilling config; a TileLang kernel is also compiled where this process
     can run it (filling TileLang's disk cache for the measuring process). Returns (status, reason, report)."""
-    import torch
-
     from flashkern.kernels._tilelang import CPU, GPU
 
     op = registry.get(op_name)
@@ -221,15 +219,11 @@ class Measurer:
             else:
                 done(rejected)
         timings = self._time([self._run(op, problem, inputs, cand) for cand, _ in to_time])
-        timed = [(cand, done(self._result(op, problem, cand, key, st.OK, timing=timing)))
+        timed = [(cand, done(result_of(op, problem, cand, key, st.OK, timing=timing)))
                  for (cand, key), timing in zip(to_time, timings)]
         own = [(cand, r) for cand, r in work.stored if r.key.device == self.info.key]
         decision = None if work.decided else self._decide(op, problem, inputs, dtypes, own + timed)
         return ShapeOutcome(results, decision)
-
-    def _result(self, op, problem, cand: Candidate, key: st.Key, status: str, reason: str = "", timing=None,
-                report=None) -> st.Result:
-        return result_of(op, problem, cand, key, status, reason, timing, report)
 
     def _run(self, op, problem, inputs, cand: Candidate):
         if cand.impl == "reference":
@@ -243,11 +237,11 @@ class Measurer:
         try:
             op.compare(inputs, expected, self._run(op, problem, inputs, cand)())
         except AssertionError as exc:
-            return self._result(op, problem, cand, key, st.INCORRECT, str(exc).strip().splitlines()[0][:500])
+            return result_of(op, problem, cand, key, st.INCORRECT, str(exc).strip().splitlines()[0][:500])
         except Exception as exc:
-            return self._result(op, problem, cand, key, st.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}")
+            return result_of(op, problem, cand, key, st.ERROR, f"{type(exc).__name__}: {str(exc)[:300]}")
         if not cand.timed:
-            return self._result(op, problem, cand, key, st.CHECKED, "correct; the interpreter is not timed")
+            return result_of(op, problem, cand, key, st.CHECKED, "correct; the interpreter is not timed")
         return None
 
     def _rounds(self, runs) -> list[list[Timing]]:
