@@ -107,7 +107,8 @@ def build(job: BuildJob) -> BuildResult:
 
 
 @contextmanager
-def _environment(**values):
+def environment(**values):
+    """os.environ with `values` set inside the block (read by processes spawned there)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -125,7 +126,7 @@ def run(jobs: list[BuildJob], workers: int | None = None, on_result=None) -> lis
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     results: list[BuildResult | None] = [None] * len(jobs)
     # Workers inherit the environment at spawn time; the parent's own kernels are already defined.
-    with _environment(TRITON_INTERPRET="0"), ProcessPoolExecutor(
+    with environment(TRITON_INTERPRET="0"), ProcessPoolExecutor(
         max_workers=workers, mp_context=multiprocessing.get_context("spawn")
     ) as pool:
         futures = {pool.submit(build, job): i for i, job in enumerate(jobs)}

@@ -1,9 +1,11 @@
 """The sm_90a build report shared by both DSLs: registers, spills, shared memory and an instruction census per
 kernel, and the traffic record the performance model (flashkern.model) reads.
 
-Both paths go through PTX and end in ptxas (TileLang's CUDA source through nvcc -ptx, Triton's own PTX), so one
-parser reads both `-v` outputs and one census reads both PTX texts. Reports of slow builds (TileLang's: lowering
-and nvcc take 2-25 s) are kept on disk by `cached_report`; Triton keeps its own cache of compiled kernels.
+Both paths go through PTX and end in ptxas, assembled as each DSL's own JIT assembles it (an `Assembler`: Triton's
+backend.make_cubin with its flags, which differ by version; TileLang's nvcc with its flags), so the registers, spills
+and stack are the ones the JIT's binary has. One parser reads both `-v` logs, one census reads both PTX texts, and
+each report carries the GPU lint's findings (kernels.gpu_lint). Reports of slow builds (TileLang's: lowering and
+nvcc take 2-25 s) are kept on disk by `cached_report`; Triton keeps its own cache of compiled kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from flashkern.kernels import sass
+from flashkern.kernels import gpu_lint, sass, ttgir
 
 
 _MMA_TYPES = (("e4m3", "fp8"), ("e5m2", "fp8"), ("bf16", "bf16"), ("f16", "fp16"), ("tf32", "tf32"), ("s8", "int8"))
@@ -99,6 +101,7 @@ class BuildReport:
     threads: int = 0  # per block
     census: Census = Census()  # instructions in the PTX
     issue: sass.Profile | None = None  # the SASS per pipe, outside loops and per loop trip (kernels.sass)
+    hazards: tuple[str, ...] = ()  # the GPU lint's findings in the built code (kernels.gpu_lint)
 
     def with_(self, **changes) -> BuildReport:
         return dataclasses.replace(self, **changes)
@@ -113,7 +116,8 @@ class BuildReport:
         reports = list(reports)
         fields = ("registers", "spill_stores", "spill_loads", "stack", "smem", "threads")
         merged = {name: max(getattr(r, name) for r in reports) for name in fields}
-        return BuildReport(**merged, census=Census.total(r.census for r in reports))  # no one kernel's issue
+        hazards = tuple(dict.fromkeys(h for r in reports for h in r.hazards))
+        return BuildReport(**merged, census=Census.total(r.census for r in reports), hazards=hazards)  # no issue
 
     @property
     def wgmma(self) -> bool:
@@ -124,7 +128,7 @@ class BuildReport:
     def from_dict(values: dict) -> BuildReport:
         """The inverse of dataclasses.asdict."""
         issue = values.get("issue")
-        return BuildReport(**{**values, "census": Census(**values["census"]),
+        return BuildReport(**{**values, "census": Census(**values["census"]), "hazards": tuple(values["hazards"]),
                               "issue": None if issue is None else sass.Profile.from_dict(issue)})
 
 
@@ -136,7 +140,8 @@ def source_digest(module_file: str) -> str:
     return hashlib.sha256(Path(module_file).read_bytes()).hexdigest()
 
 
-_THIS_SOURCE = source_digest(__file__) + source_digest(sass.__file__)  # how reports are made, read and stored
+# how reports are made, read, linted and stored
+_THIS_SOURCE = "".join(source_digest(path) for path in (__file__, sass.__file__, gpu_lint.__file__, ttgir.__file__))
 
 
 def cache_dir() -> Path | None:
@@ -208,20 +213,33 @@ def parse_ptxas(text: str) -> BuildReport:
     return BuildReport(registers=regs, spill_stores=stores, spill_loads=loads, stack=stack, smem=smem)
 
 
-def assemble(ptx: str, command: list[str], sources: dict | None = None) -> BuildReport:
-    """Assemble `ptx` for sm_90a with `command` (a ptxas, or nvcc -cubin, with its verbose resource flag; the PTX
-    path and `-o cubin` are appended): resources from its output, the census from the PTX, the issue profile from
-    a second, counting build (kernels.sass) inside `profiling_issue` (`sources`: path -> text of the sources the
-    PTX's line info names, for loop headers)."""
-    with tempfile.TemporaryDirectory(prefix="flashkern-sm90-") as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([*command, path, "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{os.path.basename(command[0])} failed:\n" + (proc.stderr or proc.stdout)[-4000:])
-    return parse_ptxas(proc.stdout + proc.stderr).with_(census=Census.of(ptx), 
-                                                     issue=sass.profile(ptx, command, sources) if _PROFILING_ISSUE.get() else None)
+Assembler = Callable[[str], tuple[bytes, str]]  # PTX -> (the cubin, the assembler's verbose log)
+
+
+def command_assembler(command: list[str]) -> Assembler:
+    """An Assembler running `command` (a ptxas, or nvcc -cubin, with its verbose resource flag and line info; the
+    PTX path and `-o cubin` are appended)."""
+
+    def run(ptx: str) -> tuple[bytes, str]:
+        with tempfile.TemporaryDirectory(prefix="flashkern-sm90-") as tmp:
+            path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+            with open(path, "w") as f:
+                f.write(ptx)
+            proc = subprocess.run([*command, path, "-o", cubin], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{os.path.basename(command[0])} failed:\n" + (proc.stderr or proc.stdout)[-4000:])
+            return Path(cubin).read_bytes(), proc.stdout + proc.stderr
+
+    return run
+
+
+def assemble(ptx: str, assembler: Assembler, sources: dict | None = None, hazards: tuple[str, ...] = ()) -> BuildReport:
+    """Assemble `ptx` for sm_90a: resources from the assembler's log, the census from the PTX, the issue profile
+    from a second, counting build by the same assembler (kernels.sass) inside `profiling_issue` (`sources`: path ->
+    text of the sources the PTX's line info names, for loop headers); `hazards`: the GPU lint's findings."""
+    _, log = assembler(ptx)
+    issue = sass.profile(ptx, assembler, sources) if _PROFILING_ISSUE.get() else None
+    return parse_ptxas(log).with_(census=Census.of(ptx), issue=issue, hazards=hazards)
 
 
 class TensorTraffic(NamedTuple):

@@ -583,18 +583,14 @@ def warp_shares(source: str) -> dict:
     return shares
 
 
-def profile(ptx: str, command: list[str], sources: dict | None = None) -> Profile:
-    """The issue profile of `ptx`: assembled by `command` (a ptxas or nvcc -cubin; the PTX path and `-o cubin`
-    are appended) with unrolling off and line info on, then disassembled. `sources` (path -> text) gives each
-    loop's header text and the warp roles (`warp_shares`), for sources that are gone when the model runs
-    (TileLang's generated CUDA C)."""
+def profile(ptx: str, assembler, sources: dict | None = None) -> Profile:
+    """The issue profile of `ptx`: assembled by `assembler` (kernels.build.Assembler: PTX -> (cubin, log), with
+    line info) with unrolling off, then disassembled. `sources` (path -> text) gives each loop's header text and
+    the warp roles (`warp_shares`), for sources that are gone when the model runs (TileLang's generated CUDA C)."""
+    cubin_bytes, _ = assembler(no_unroll(ptx))
     with tempfile.TemporaryDirectory(prefix="flashkern-sass-") as tmp:
-        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
-        with open(path, "w") as f:
-            f.write(no_unroll(ptx))
-        built = subprocess.run([*command, "-lineinfo", path, "-o", cubin], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError("assembling the counting build failed:\n" + (built.stderr or built.stdout)[-4000:])
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(cubin_bytes)
         listing = subprocess.run([nvdisasm_path(), "-c", "-gi", cubin], capture_output=True, text=True)
         if listing.returncode != 0:
             raise RuntimeError("nvdisasm failed:\n" + listing.stderr[-4000:])

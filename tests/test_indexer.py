@@ -724,7 +724,7 @@ from flashkern.kernels import _triton
 
 ptx = []
 assemble = _triton.assemble
-_triton.assemble = lambda text, *rest: ptx.append(text) or assemble(text, *rest)  # (this process only)
+_triton.assemble = lambda text, *rest, **named: ptx.append(text) or assemble(text, *rest, **named)  # (this process only)
 op = registry.get(sys.argv[1])
 impl = op.implementation("triton")
 problem = op.presets["smoke"][0]

@@ -47,7 +47,9 @@ tilelang = LazyModule("tilelang")
 T = LazyModule("tilelang.language")
 
 from flashkern.kernels._tilelang import codecs  # noqa: E402  (codecs takes T from here)
-from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble, cached_report, source_digest
+from flashkern.kernels import gpu_lint
+from flashkern.kernels.build import (NO_TRAFFIC, BuildReport, LaunchTraffic, assemble, cached_report, command_assembler,
+                                     source_digest)
 
 
 CPU_PASS_CONFIGS = {"tirx.disable_vectorize": True}  # math inside auto-vectorized loops fails on the C target
@@ -343,7 +345,13 @@ def _build_sm90(prim_func, pass_configs: dict | None) -> BuildReport:
             raise RuntimeError("nvcc failed:\n" + (proc.stderr or proc.stdout)[-4000:])
         with open(os.path.join(tmp, "kernel.ptx")) as f:
             ptx = f.read()
-    report = assemble(ptx, [nvcc, "-cubin", f"-arch={SM90_ARCH}", "--resource-usage", "-w"], {src: source})
+    # ptxas as TileLang's own build runs it (tilelang/jit/adapter/libgen.py): nvcc's defaults and its register
+    # usage level when the kernel sets one
+    usage = (pass_configs or {}).get("tl.ptxas_register_usage_level")
+    ptxas_options = [f"--ptxas-options=--register-usage-level={int(usage)}"] if usage is not None else []
+    report = assemble(ptx, command_assembler([nvcc, "-cubin", f"-arch={SM90_ARCH}", "--resource-usage", "-w",
+                                              "-lineinfo", *ptxas_options]),
+                      {src: source}, hazards=gpu_lint.lint_cuda(source))
     return report.with_(smem=report.smem + dyn_smem, threads=threads)
 
 

@@ -4,7 +4,8 @@ Without a GPU, flashkern runs Triton kernels under the interpreter (TRITON_INTER
 by `import flashkern` before any kernel is defined). Interpreted kernels cannot be compiled, so
 the sm_90a build runs in a worker process started with TRITON_INTERPRET=0 (see
 flashkern.compile_check); inside it, `build_sm90` compiles a `Launch` for
-GPUTarget("cuda", 90, 32) and reads its resources with Triton's own ptxas.
+GPUTarget("cuda", 90, 32), reads its resources from the JIT's own PTX -> cubin step (the backend's
+make_cubin: its ptxas and flags) and lints its TTGIR (kernels.gpu_lint).
 
 Interpreter pitfalls handled here:
 - fp32 -> bf16 casts truncate under the interpreter (the GPU rounds to nearest even):
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 import flashkern
+from flashkern.kernels import gpu_lint
 from flashkern.kernels.build import NO_TRAFFIC, BuildReport, LaunchTraffic, assemble
 
 _POINTER_TYPES = {
@@ -112,30 +114,65 @@ def compile_key(launch: Launch) -> tuple:
             tuple(sorted(attrs)), launch.num_warps, launch.num_stages, tuple(sorted(launch.options.items())))
 
 
-def _ptxas_path() -> str:
-    """The ptxas Triton itself uses for sm_90 (its bundle holds more than one)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    try:
-        return get_ptxas(90).path
-    except TypeError:  # Triton versions whose get_ptxas takes no architecture
-        return get_ptxas().path
+def register_bound(num_warps: int) -> dict:
+    """Launch options bounding a CTA of `num_warps` by the registers one CTA an SM may have (64K shared, at most
+    255 a thread: PTX .maxnreg). Without a bound, ptxas 13 at the JIT's --regAllocOptLevel=2 picks an occupancy of
+    its own and spills to reach it: the split top-k's candidate stage took 128 registers and 80 B of spills, 145 and
+    none with the bound; mhc_pre's GEMM at 16 tokens 80 and 8 B, 94 and none."""
+    return {"maxnreg": min(255, 65536 // (32 * num_warps))}
 
 
-def build_sm90(launch: Launch) -> BuildReport:
-    """Compile `launch` ahead of time for compute capability 9.0 and report its resources."""
+def _sm90_backend():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", 90, 32))
+
+
+def jit_assembler(options: dict):
+    """kernels.build.Assembler of the JIT: the NVIDIA backend's own make_cubin (the ptxas, flags and line info the
+    installed Triton uses: 3.9 adds --regAllocOptLevel=2, 3.6 does not) with its ptxas log printed (Triton's
+    dump_ptxas_log knob, inside its scope) and captured."""
+    import contextlib
+    import io
+
+    from triton import knobs
+
+    backend = _sm90_backend()
+    parsed = backend.parse_options(options)
+
+    def run(ptx: str) -> tuple[bytes, str]:
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(io.StringIO()) as log:
+            knobs.nvidia.dump_ptxas_log = True
+            cubin = backend.make_cubin(ptx, {}, parsed, 90)
+        return cubin, log.getvalue()
+
+    return run
+
+
+def _launch_options(launch: Launch) -> dict:
+    return {"num_warps": launch.num_warps, "num_stages": launch.num_stages, **launch.options}
+
+
+def compile_sm90(launch: Launch):
+    """triton.compile of `launch` for compute capability 9.0, specialized as the JIT would (in a process with
+    TRITON_INTERPRET=0): the compiled kernel, its .asm holding ttgir, ptx and cubin."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if not hasattr(launch.kernel, "cache_key"):
         raise RuntimeError("AOT builds need TRITON_INTERPRET=0 in the building process")
     signature, constexprs, attrs = _signature(launch)
-    compiled = triton.compile(
-        ASTSource(launch.kernel, signature, constexprs, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": launch.num_warps, "num_stages": launch.num_stages, **launch.options},
-    )
-    report = assemble(compiled.asm["ptx"], [_ptxas_path(), "-v", "--gpu-name", "sm_90a"])
+    return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=_launch_options(launch))
+
+
+def build_sm90(launch: Launch) -> BuildReport:
+    """Compile `launch` ahead of time for compute capability 9.0 and report its resources as the JIT's assembler
+    reports them, with the lint of its TTGIR."""
+    compiled = compile_sm90(launch)
+    report = assemble(compiled.asm["ptx"], jit_assembler(_launch_options(launch)),
+                      hazards=gpu_lint.lint_ttgir(compiled.asm["ttgir"]))
     return report.with_(smem=max(report.smem, compiled.metadata.shared), threads=32 * launch.num_warps)
 
 

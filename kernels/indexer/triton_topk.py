@@ -41,7 +41,7 @@ import triton.language as tl
 
 import flashkern
 from flashkern.autotune.space import Space
-from flashkern.kernels._triton import Launch
+from flashkern.kernels._triton import Launch, register_bound
 from flashkern.kernels.indexer.problem import SPLIT_FROM, TopkProblem, split_chunk
 from flashkern.kernels.tiles import cdiv, next_power_of_2
 
@@ -176,6 +176,18 @@ def select_in_registers(key, eligible, k):
 
 
 @triton.jit
+def masked_histogram(bins, counted, NUM_BINS: tl.constexpr):
+    """tl.histogram of a tile's `bins` (any shape, values in [0, NUM_BINS)) where `counted`, flattened.
+
+    The mask is folded into the bins (-1 where not counted) before the one reshape and read back from it. A reshape
+    that only feeds a histogram may reorder elements on the GPU (each thread's registers reused in order), and two
+    tensors of different layouts reshaped apart pair one column's mask with another's bin: the first H200 run's
+    wrong top-k rows (docs/gpu.md). One reshape keeps every bin with its own mask (flashkern.kernels.gpu_lint)."""
+    flat = tl.reshape(tl.where(counted, bins, -1), (bins.numel,))
+    return tl.histogram(flat, NUM_BINS, mask=flat >= 0)
+
+
+@triton.jit
 def _digit_histogram(key, counted, found, shift: tl.constexpr, MATCH_FOUND: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """One tile's share of a radix pass, [BLOCK_M, 256]: each row's counts of the digit at `shift` among its counted
@@ -184,17 +196,16 @@ def _digit_histogram(key, counted, found, shift: tl.constexpr, MATCH_FOUND: tl.c
     if MATCH_FOUND:
         counted = counted & ((radix >> (shift + 8)) == (found[:, None] >> (shift + 8)))
     bin_of = tl.arange(0, BLOCK_M)[:, None] * RADIX_BINS + ((radix >> shift) & 0xFF)  # a row's own 256 bins
-    counts = tl.histogram(tl.reshape(bin_of, (BLOCK_M * BLOCK_N,)), BLOCK_M * RADIX_BINS,
-                          mask=tl.reshape(counted, (BLOCK_M * BLOCK_N,)))
-    return tl.reshape(counts, (BLOCK_M, RADIX_BINS))
+    return tl.reshape(masked_histogram(bin_of, counted, BLOCK_M * RADIX_BINS), (BLOCK_M, RADIX_BINS))
 
 
 @triton.jit
-def _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row, row_blocks,
+def _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row, k, row_blocks,
                  BLOCK: tl.constexpr):
     """One tile of the gather: its keys above the threshold and the ties within the quota go to the rows' next
     output slots, in column order (mapped through the rows' blocks unless row_blocks is None); returns the updated
-    counts of taken positions and of ties seen."""
+    counts of taken positions and of ties seen. Slots past k are never written, whatever the counts say (passes
+    that disagree cannot write outside the output)."""
     tie = (eligible & (key == threshold)).to(tl.int32)
     tie_rank = ties_seen[:, None] + tl.cumsum(tie, 1) - 1
     take = (eligible & (key > threshold)) | ((tie != 0) & (tie_rank < quota[:, None]))
@@ -202,7 +213,7 @@ def _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, ou
     index = position
     if row_blocks is not None:
         index = tl.load(row_blocks + position // BLOCK, mask=take, other=0) * BLOCK + position % BLOCK
-    tl.store(out_row + slot, index, mask=take)
+    tl.store(out_row + slot, index, mask=take & (slot < k))
     return taken + tl.sum(take.to(tl.int32), axis=1), ties_seen + tl.sum(tie, axis=1)
 
 
@@ -249,12 +260,12 @@ def topk_kernel(values_ptr, stride_row, rows, width, starts_ptr, ends_ptr, block
         row_blocks = blocks_ptr + row[:, None] * stride_blocks
     taken = tl.zeros((BLOCK_M,), tl.int32)
     ties_seen = tl.zeros((BLOCK_M,), tl.int32)
-    taken, ties_seen = _gather_tile(first[0], first[1], first[2], threshold, quota, taken, ties_seen, out_row,
+    taken, ties_seen = _gather_tile(first[0], first[1], first[2], threshold, quota, taken, ties_seen, out_row, k,
                                     row_blocks, BLOCK)
     for tile in range(first_tile + 1, end_tile):
         position, key, eligible = _tile_keys(row_values, tile, start, end, DROP_NEG_INF, BLOCK_N, row_positions,
                                              width)
-        taken, ties_seen = _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row,
+        taken, ties_seen = _gather_tile(position, key, eligible, threshold, quota, taken, ties_seen, out_row, k,
                                         row_blocks, BLOCK)
 
     # 3. -1 padding
@@ -311,8 +322,7 @@ def chunk_histogram_kernel(values_ptr, stride_row, width, starts_ptr, ends_ptr, 
     histogram = tl.zeros((RADIX_BINS,), tl.int32)
     for tile in range(tl.min(lo) // BLOCK_N, tl.cdiv(tl.max(hi), BLOCK_N)):
         _, x, counted = _tile_values(values_ptr + rows * stride_row, tile, lo, hi, DROP_NEG_INF, BLOCK_N)
-        histogram += tl.histogram(tl.reshape(_first_digit(x), (BLOCK_N,)), RADIX_BINS,
-                                  mask=tl.reshape(counted, (BLOCK_N,)))
+        histogram += masked_histogram(_first_digit(x), counted, RADIX_BINS)
     _publish_histogram(histogram, total_ptr, suffix_ptr, row, chunk_id, chunks)
 
 
@@ -344,7 +354,7 @@ def compact_kernel(values_ptr, stride_row, width, starts_ptr, ends_ptr, total_pt
         position, key, eligible = _tile_keys(values_ptr + rows * stride_row, tile, lo, hi, DROP_NEG_INF, BLOCK_N)
         keep = eligible & (key >= lowest[:, None])  # first digit >= digit
         slot = offset + tl.cumsum(keep.to(tl.int32), 1) - 1
-        tl.store(row_candidates + slot, position, mask=keep)  # slot < width: the keys kept by pass 1 fit the row
+        tl.store(row_candidates + slot, position, mask=keep & (slot < width))  # (pass 1's counts fit the row)
         offset += tl.sum(keep.to(tl.int32))
 
 
@@ -396,7 +406,7 @@ def topk_launch(values, ends, out, config, *, starts=None, drop_neg_inf=False, e
                   positions_ptr=positions, out_ptr=out, k=k, DROP_NEG_INF=drop_neg_inf,
                   ENDS_BOUND_WALK=ends_bound_walk, BLOCK=block, BLOCK_M=config["block_m"],
                   BLOCK_N=config["block_n"]),
-        num_warps=config["num_warps"],
+        num_warps=config["num_warps"], options=register_bound(config["num_warps"]),
     )
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 import flashkern
 from flashkern.autotune.space import Space
 from flashkern.kernels.tiles import SMS, cdiv, next_power_of_2, split_plan
-from flashkern.kernels._triton import Launch, round_to_bf16
+from flashkern.kernels._triton import Launch, register_bound, round_to_bf16
 from flashkern.kernels.mhc.problem import empty_partials, epilogue_launch
 from flashkern.reference.mhc import mix_width
 
@@ -348,7 +348,7 @@ def _pre_launch(problem, inputs: dict, config: dict, outputs, post_args: dict | 
                   pre_mix_ptr=inputs["pre_mix"] if problem.collapse == "carried" else None, chunk=chunk,
                   M_PAD=_mix_pad(n), BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], HAS_POST=has_post,
                   LAST_SPLIT_EPILOGUE=last_split, **epilogue_args),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], options=register_bound(config["num_warps"]))
     if last_split:
         return gemm
     epilogue = Launch(
