@@ -14,7 +14,7 @@ import sys
 VERBS = """verbs:
   flashkern list                         operators, and which implementations run here (and why not)
   flashkern bench [OP ...] [--preset P]  time every backend at a preset's shapes (default: smoke)
-  flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs)
+  flashkern compile-check [OP ...]       build every implementation for sm_90a (default + sampled configs), lint the build
   flashkern check OP [--backend B]       property-based equivalence of one kernel (and --config) with the
                                          reference; a failure shrunk to a runnable snippet
   flashkern model [OP ...] [--preset P]  predicted H200 time and roofline fraction per kernel (a model; bench
@@ -152,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
                    help="time interpreted Triton too (a correctness path on CPU, checked but not timed by default)")
     p.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
 
-    p = sub.add_parser("compile-check", help="build every implementation for sm_90a and report resources")
+    p = sub.add_parser("compile-check", help="build every implementation for sm_90a, report resources, lint what was built")
     p.add_argument("ops", nargs="*", help="operators (default: all)")
     p.add_argument("--preset", default="smoke", help="preset whose kernel specializations are built")
     p.add_argument("--sample", type=count, default=2, help="sampled configs per implementation besides the default")

@@ -4,7 +4,7 @@ The source hash of an implementation covers the module that defines its kernel a
 every flashkern.kernels module it uses (problem layout, the DSL's shared helpers, the codecs), so
 editing any of them makes earlier results stale. Three kinds of module are not kernel code and are not
 followed: the test-case strategies (`cases` modules); the instruments that build, count and profile kernels
-for the model and the build checks (`INSTRUMENTS`), which change no kernel's output or speed; and the
+for the model and the build checks, and lint or replay what the GPU built (`INSTRUMENTS`), which change no kernel's output or speed; and the
 families that the root package `flashkern.kernels` holds as attributes once imported (it imports none
 itself), so editing one family leaves another's results current. The reference is hashed from its own
 module.
@@ -38,7 +38,8 @@ def library_versions() -> dict[str, str]:
             "flashkern": flashkern.__version__, "timing": METHOD}
 
 
-INSTRUMENTS = frozenset(f"{_KERNELS}.{name}" for name in ("build", "sass", "_triton.traffic", "_tilelang.traffic"))
+INSTRUMENTS = frozenset(f"{_KERNELS}.{name}" for name in ("build", "sass", "gpu_lint", "ttgir", "_triton.traffic",
+                                                          "_tilelang.traffic", "_triton.pairing"))
 
 
 def _is_kernel_code(module_name: str) -> bool:

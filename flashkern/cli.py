@@ -184,6 +184,8 @@ def cmd_compile_check(args) -> int:
         job, rep = r.job, r.report
         config = ", ".join(f"{k}={v}" for k, v in r.config.items()) + (" (default)" if job.default else "")
         result = "ok" if r.ok else ("[yellow]skipped: " + r.error + "[/yellow]" if r.skipped else "[red]FAILED[/red]")
+        if rep and rep.hazards:
+            result = f"[red]{len(rep.hazards)} GPU hazard{'s' if len(rep.hazards) > 1 else ''}[/red]"
         if rep:
             figures = [str(rep.registers), str(rep.spills), f"{rep.smem / 1024:.1f}", str(rep.threads),
                        "yes" if rep.wgmma else "no"]
@@ -194,12 +196,14 @@ def cmd_compile_check(args) -> int:
     for r in results:
         if not r.ok and not r.skipped:
             console.print(f"[red]{r.job.op}/{r.job.impl} {r.config}[/red]\n{r.error}")
+        for hazard in r.report.hazards if r.report else ():  # the GPU lint (flashkern.kernels.gpu_lint)
+            console.print(f"[red]{r.job.op}/{r.job.impl} {r.job.problem.key} {r.config}[/red]: {hazard}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(op=r.job.op, impl=r.job.impl, problem=r.job.problem.key, config=r.config,
                             default=r.job.default, ok=r.ok, skipped=r.skipped, error=r.error, seconds=r.seconds,
                             **(dataclasses.asdict(r.report) if r.report else {})) for r in results], f, indent=1)
-    return 0 if all(r.ok or r.skipped for r in results) else 1
+    return 0 if all((r.ok and not r.report.hazards) or r.skipped for r in results) else 1
 
 
 def cmd_check(args) -> int:

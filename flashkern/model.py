@@ -19,7 +19,8 @@ Per implementation, config and shape, for each kernel launch (stage):
            CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
            (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
            instructions over the busy sub-partitions, and no less than the heaviest CTA's on one SM); latency
-           (dependent global phases per CTA x a round trip, per wave); host link (Cost.host_bytes, a table in
+           (dependent global phases per CTA x a round trip, per wave); local memory (spills: the SASS's local
+           loads and stores, from L1 while the stack frames fit beside shared memory, else L2); host link (Cost.host_bytes, a table in
            pinned host memory, at HOST_LINK_EFFICIENCY of the link's rate, plus one round trip over it). Then a
            launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a CUDA graph. The operator's flops go to
            its stage with tensor-core instructions (else to the stage that moves the most bytes).
@@ -76,6 +77,9 @@ class Device:
     registers_per_sm: int = 65536
     max_registers_per_thread: int = 255
     smem_per_sm: int = 228 * 1024
+    l1_bytes_per_sm: int = 256 * 1024  # L1 and shared memory together; local memory (spills) lives in what shared
+    # memory leaves, and moves at the shared memory's bandwidth
+    l1_bytes_per_clock_per_sm: float = 128.0  # 32 banks x 4 B a clock
     smem_reserved_per_cta: int = 1024  # the system's share of each CTA's shared memory (sm_80 and later)
     max_threads_per_sm: int = 2048
     max_ctas_per_sm: int = 32
@@ -187,7 +191,7 @@ class StagePrediction:
     fill: float  # fraction of the SMs' time the grid keeps busy
     math: str  # the arithmetic its flops are charged at
     flops: float
-    terms: dict  # seconds of each bound: "HBM", "L2", "tensor", "issue", "latency", "host link" (no launch)
+    terms: dict  # seconds of each bound: "HBM", "L2", "tensor", "issue", "latency", "local memory", "host link"
     issue: Issue | None
     issue_pipe: str = ""  # the pipe (or "dispatch") that binds the issue term
 
@@ -315,6 +319,19 @@ def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: D
     return (balanced, pipe_name) if balanced >= alone else (alone, heaviest_pipe)
 
 
+def _local_seconds(issue: Issue, report: BuildReport, ctas: int, resident: int, device: Device) -> float:
+    """Spill traffic (the SASS's local loads and stores, every warp's): from L1 at its bandwidth while the resident
+    CTAs' stack frames fit in what their shared memory leaves of it, the rest from L2."""
+    warps = math.ceil(report.threads / 32)
+    moved = issue.per_warp["local_bytes"] * warps * ctas
+    frames = report.stack * report.threads * resident
+    free = max(0, device.l1_bytes_per_sm - report.smem * resident)
+    in_l1 = 1.0 if frames <= free else free / frames
+    busy = min(ctas, device.sms)
+    return moved * (in_l1 / (device.l1_bytes_per_clock_per_sm * busy * device.clock_hz)
+                    + (1 - in_l1) / device.l2_bytes_per_s)
+
+
 def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device: Device) -> Prediction:
     """The model's time for one call: its stages (each launch's build report and traffic) on `device`.
 
@@ -343,6 +360,8 @@ def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device:
                 terms["issue"], pipe_name = _issue_seconds(issue, traffic.ctas, math.ceil(report.threads / 32),
                                                            fit.ctas_per_sm, device)
                 terms["latency"] = waves * issue.phases * device.global_round_trip_s
+                if issue.per_warp.get("local_bytes"):
+                    terms["local memory"] = _local_seconds(issue, report, traffic.ctas, fit.ctas_per_sm, device) / fill
             if cost.host_bytes and i == busiest:
                 terms["host link"] = (cost.host_bytes / (device.host_link_bytes_per_s * HOST_LINK_EFFICIENCY)
                                       + HOST_ROUND_TRIP_S)

@@ -11,9 +11,14 @@ suite's time). Sizes, values, index patterns and layouts are dynamic and cost no
       short pool of its own (moe_route's NARROW_GATES, mhc's NARROW_N and NARROW_HIDDEN), and draws everything
       else as usual;
   wide runs (`thorough`, `deep`, and `flashkern check`): every combination.
+
+Parametrized tests narrow the same way: `covering` runs all pairs of a product's values in a narrow run (every
+combination in a wide one), `narrowed` the first of a list of variants.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from hypothesis import settings
@@ -25,6 +30,27 @@ NARROW_PROFILES = ("ci", "gpu")
 def narrow() -> bool:
     """True when the active hypothesis profile draws specializations from the presets only."""
     return settings.get_current_profile_name() in NARROW_PROFILES
+
+
+def covering(**axes) -> tuple[str, list[tuple]]:
+    """Arguments of pytest.mark.parametrize over the product of `axes` (argument name -> values): every combination
+    in a wide run; in a narrow run an all-pairs set (allpairspy; deterministic, so every xdist worker collects the
+    same tests): each value of an axis meets each value of every other axis in some case, in a fraction of the
+    product (24 cases of 3 x 2 x 2 x 2 in 7)."""
+    values = [list(v) for v in axes.values()]
+    if narrow() and len(values) > 2:  # with two axes, all pairs is the product
+        from allpairspy import AllPairs  # a test dependency: only parametrized tests call this
+
+        cases = [tuple(case) for case in AllPairs(values)]
+    else:
+        cases = list(itertools.product(*values))
+    return ",".join(axes), cases
+
+
+def narrowed(variants: list, keep: int = 1) -> list:
+    """The first `keep` of a list of parametrize variants in a narrow run (the model's, listed first), all of them
+    in a wide run."""
+    return variants[:keep] if narrow() else variants
 
 
 def seeded(draw, high: int = 2**31 - 1) -> torch.Generator:

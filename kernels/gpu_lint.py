@@ -97,7 +97,7 @@ def _varies(expression: str, varying: dict[str, str]) -> str:
                 rest = rest.replace(m.group(0), "0")
     if _THREAD.search(rest):
         kinds.add("lane")
-    kinds.update(kind for name, kind in varying.items() if re.search(rf"\b{re.escape(name)}\b", rest))
+    kinds.update(kind for name, kind in varying.items() if re.search(rf"(?<![\w.]){re.escape(name)}\b", rest))
     return "lane" if "lane" in kinds else ("warp" if kinds else "")
 
 
@@ -159,7 +159,9 @@ def _divergent_calls(source: str, call: re.Pattern, threshold: str) -> list[tupl
     found = []
     for line, conditions in _enclosing_conditions(source, call):
         for condition in conditions:
-            kind = _varies(condition, varying) if condition else ""
+            # a for loop's own variable varies with the trip, not the thread: its header decides
+            own = set(re.findall(r"^\s*(?:[\w:]+\s+)?(\w+)\s*=[^=]", condition.split(";")[0])) if ";" in condition else set()
+            kind = _varies(condition, {k: v for k, v in varying.items() if k not in own}) if condition else ""
             if kind == "lane" or (threshold == "warp" and kind == "warp"):
                 found.append((line, " ".join(condition.split())))
                 break

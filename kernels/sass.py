@@ -58,9 +58,21 @@ _PIPE = {opcode: pipe for pipe, opcodes in _PIPE_BY_OPCODE.items() for opcode in
 # What the latency floor reads (flashkern.model): CTA barriers, loads that block on global memory, asynchronous
 # copies (cp.async, TMA), which a pipelined loop waits on stages later, and global phases: barriers reached with
 # a blocking global load issued since the last barrier (in the same loop body or a loop inside it).
+# local_bytes: bytes a warp moves to and from local memory (register spills: LDL / STL, 32 lanes x the access
+# width), which flashkern.model charges to L1 (and to L2 where the CTAs' stack frames outgrow it).
 EVENTS = {"barrier": ("BAR",), "global_load": ("LDG", "LD", "ATOMG", "ATOM"), "async_copy": ("LDGSTS", "UTMALDG",
                                                                                              "UBLKCP"),
-          "global_phase": ()}
+          "global_phase": (), "local_bytes": ()}
+_LOCAL_ACCESS = ("LDL", "STL")
+_LOCAL_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # bytes a lane; 4 unless modified
+
+
+def local_bytes(opcode: str) -> int:
+    """Bytes a warp moves with a local load or store (LDL.64: 32 x 8), 0 for any other opcode."""
+    base, *modifiers = opcode.split(".")
+    if base not in _LOCAL_ACCESS:
+        return 0
+    return 32 * next((_LOCAL_WIDTH[m] for m in modifiers if m in _LOCAL_WIDTH), 4)
 _EVENT = {opcode: event for event, opcodes in EVENTS.items() for opcode in opcodes}
 
 _CONTROL = ("BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL")  # instructions that end a basic block
@@ -319,9 +331,11 @@ def count(instructions: list[Instruction], warp_share=None) -> Profile:
             share = 1.0 if warp_share is None else warp_share(ins)
             roles_in_source |= share < 1.0
             counted[pipe(ins.opcode)] += share
+            counted["local_bytes"] += share * local_bytes(ins.opcode)
             line_counts = by_line.setdefault(ins.site, dict(empty)) if region < 0 and ins.site else None
             if line_counts is not None:
                 line_counts[pipe(ins.opcode)] += share
+                line_counts["local_bytes"] += share * local_bytes(ins.opcode)
             if (event := _EVENT.get(ins.opcode.split(".")[0])) is not None:
                 counted[event] += 1
                 if line_counts is not None:

@@ -40,6 +40,20 @@ def copy(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
 
 
+SPILL_REGISTERS = 32  # spill_loop's register bound (.maxnreg): far below its live values
+
+
+@triton.jit
+def spill_loop(x_ptr, out_ptr, trips, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """WIDTH values a thread stay live through the loop, each trip rotating them: under a tight register bound the
+    loop reloads and stores spills (LDL / STL) every trip."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tile = tl.load(x_ptr + rows[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :])
+    for t in range(trips):
+        tile = tile * 1.0001 + tl.sum(tile, axis=1)[:, None] * 0.5 + t
+    tl.store(out_ptr + rows[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], tile)
+
+
 def launches(ctas: int, trips: int) -> dict[str, Launch]:
     n = ctas * BLOCK
     x, out = torch.ones(n), torch.empty(n)
@@ -50,4 +64,7 @@ def launches(ctas: int, trips: int) -> dict[str, Launch]:
         "decode_loop": Launch(decode_loop, (ctas,), dict(x_ptr=words, out_ptr=decoded, trips=trips, BLOCK=BLOCK),
                               num_warps=WARPS),
         "copy": Launch(copy, (ctas,), dict(x_ptr=x, out_ptr=out, n=n, BLOCK=BLOCK), num_warps=WARPS),
+        "spill_loop": Launch(spill_loop, (ctas,), dict(x_ptr=torch.ones(n * 64), out_ptr=torch.empty(n * 64),
+                                                        trips=trips, BLOCK=BLOCK, WIDTH=64), num_warps=WARPS,
+                             options={"maxnreg": SPILL_REGISTERS}),
     }

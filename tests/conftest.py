@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
-    max_examples=10,
+    max_examples=5,
     deadline=None,
     derandomize=True,  # CI failures reproduce exactly
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

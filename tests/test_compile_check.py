@@ -21,6 +21,18 @@ from flashkern.kernels._tilelang import nvcc_path
 OPS = sorted(registry.operators())
 
 
+# Defaults that spill in their build (registers, spills and stack as the JIT's own assembler reports them), and
+# why: the model charges their spills (its local memory term, tests/test_sass.py), and nothing else may spill.
+MUST_SPILL = {
+    ("sparse_decode_attention", "triton"): "64 heads a program (wgmma's M: a record decoded once per token): the "
+    "[64, 512] fp32 accumulator holds 128 of 255 registers, and Triton 3.9's allocator (--regAllocOptLevel=2) "
+    "spills 1.1-1.3 KB beside it; modelled 29 us at T = 64 against 119 us for 16 heads that do not spill, so the "
+    "spilling design stays the default until the role split (issue 54) frees the registers; 8 heads (16-head "
+    "programs) spill 32 B where ptxas targets two CTAs an SM (128 registers), and bounding it by the register file "
+    "(register_bound) took the other specializations to 253-255 registers and one to 172 B of spills",
+}
+
+
 @pytest.mark.parametrize("family", registry.FAMILIES)
 def test_every_implementation_builds_for_sm90a_and_defaults_do_not_spill(family):
     """The default config of every implementation of a family for each smoke specialization, and one sampled config
@@ -50,8 +62,12 @@ def test_every_implementation_builds_for_sm90a_and_defaults_do_not_spill(family)
     failed = [f"{r.job.op}/{r.job.impl} {r.config}: {r.error}" for r in results if not (r.ok or r.skipped)]
     assert not failed, "\n".join(failed)
     spilled = [f"{r.job.op}/{r.job.impl} {r.job.problem.key} {r.config}: {r.report.spills} B"
-               for r in results if r.ok and r.job.default and r.report.spills]
+               for r in results if r.ok and r.job.default and r.report.spills
+               and (r.job.op, r.job.impl) not in MUST_SPILL]
     assert not spilled, "\n".join(spilled)
+    hazards = [f"{r.job.op}/{r.job.impl} {r.job.problem.key} {r.config}: {h}" for r in results if r.ok
+               for h in r.report.hazards]
+    assert not hazards, "\n".join(hazards)  # the GPU lint (kernels/gpu_lint.py) on every build, sampled ones too
     for r in results:
         if r.ok:
             assert 0 < r.report.registers <= 255 and r.report.threads >= 32, r

@@ -291,13 +291,17 @@ def params_of(inputs):
                             inputs["pad_id"])
 
 
+@pytest.mark.parametrize("aligned", (False, True), ids=("unaligned", "aligned"))
 @pytest.mark.parametrize("backend", KERNELS)
-def test_rows_outside_the_table_give_zeros_and_read_nothing(backend):
+def test_rows_outside_the_table_give_zeros_and_read_nothing(backend, aligned):
     """Row ids -1, R, the int32 and int64 extremes: zeros; the table is cut from a buffer whose other bytes are NaN
-    codes with NaN scales, so a read outside it shows."""
+    codes with NaN scales, so a read outside it shows. Rows at 8-byte boundaries (start and stride) or not: on a
+    GPU, TileLang gathers an aligned table in 8-byte cp.async pieces and an unaligned one a byte at a time, two
+    branches (docs/gpu.md, "Branches only a GPU takes")."""
     gen = torch.Generator().manual_seed(4)
-    buffer = torch.full((60, 300), 0xFF, dtype=torch.uint8)
-    table = buffer[10:50, 20: 20 + ref.ROW_BYTES]
+    buffer = torch.full((60, 304 if aligned else 300), 0xFF, dtype=torch.uint8)
+    table = buffer[8:48, 16: 16 + ref.ROW_BYTES] if aligned else buffer[10:50, 20: 20 + ref.ROW_BYTES]
+    assert (table.data_ptr() % 8 == 0 and table.stride(0) % 8 == 0) == aligned
     table.copy_(make_table(40, gen))
     rows = torch.tensor([[0, 39, -1, 40], [2**31 - 1, -(2**31), 2**63 - 1, -(2**63)], [5, 41, 60, 39]])
     expected = ref.engram_lookup(table, rows)

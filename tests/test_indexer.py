@@ -11,6 +11,7 @@ tie rule, for exact equality too.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -448,6 +449,53 @@ def test_split_selection_in_the_gpus_config(backend, by_score):
         run_and_check(op, inputs, backend, config)
 
 
+def _directed_rows(case: str, width: int, k: int) -> torch.Tensor:
+    """Rows whose selection turns on one key (three rows: the marked keys at the row's start, middle and end, so
+    they fall in different chunks of a split):
+      kth_below_a_bin_edge: the k - 1 largest keys about 1000, the k-th 1.0 and the rest -5 or below: the k-th and
+          (k - 1)-th keys lie in different first-digit bins (the split's) and different top radix digits (the
+          one-CTA select's), so a rank off by one drops the k-th key;
+      ties_at_the_kth: k - 2 keys of 1000 and up, then six keys equal at 2.0 for the last two places (ties go to the
+          lower positions), straddling chunks;
+      k_is_one: random rows with one largest key."""
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for where in (0, width // 2, width - 1):
+        row = -5.0 - torch.rand(width, generator=gen)
+        spots = torch.randperm(width, generator=gen)
+        if case == "kth_below_a_bin_edge":
+            row[spots[:k - 1]] = 1000.0 + torch.arange(k - 1) * 0.25
+            row[where] = 1.0
+        elif case == "ties_at_the_kth":
+            row[spots[:k - 2]] = 1000.0 + torch.arange(k - 2) * 0.25
+            tied = spots[k - 2: k + 3]
+            row[tied[tied != where]] = 2.0
+            row[where] = 2.0
+        else:
+            row = torch.randn(width, generator=gen)
+            row[where] = 7.0
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("path", ("one_cta", "split"))
+@pytest.mark.parametrize("case, k", (("kth_below_a_bin_edge", 512), ("ties_at_the_kth", 64), ("k_is_one", 1)))
+@pytest.mark.parametrize("backend", KERNELS)
+def test_directed_selections_in_the_gpus_configs(backend, case, k, path):
+    """Keys that decide a selection alone (_directed_rows), in the GPU's configs: its one-CTA default (8K positions)
+    and its split (16 x 512K, up to 64 CTAs a row) on rows of 20000, against the reference exactly."""
+    op = OPS["topk_indices"]
+    width = 20000
+    with flashkern.planning_for_gpu():
+        config = op.implementation(backend).default_config(TopkProblem(16, 8192 if path == "one_cta" else 524288, k))
+    if path == "split":
+        config = {**config, "chunks": 64}
+    assert bool(split_chunk(3, width, config["chunks"], _split_tile(backend, config))) == (path == "split"), config
+    logits = _directed_rows(case, width, k)
+    run_and_check(op, on_device(dict(logits=logits, ends=torch.full((3,), width, dtype=torch.int32), starts=None,
+                                     k=k, sorted=False)), backend, config)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 def test_split_candidate_blocks_in_the_gpus_config(backend):
     """The GPU's config for 16 rows of 512K positions, split (its default, with up to 64 CTAs a row): block-score
@@ -769,26 +817,130 @@ def test_scoring_relu_keeps_nan_on_the_gpu():
 
 
 @triton.jit
-def _radix_primitives(keys_ptr, counted_ptr, histogram_ptr, suffix_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    at = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    bins = tl.arange(0, BLOCK_M)[:, None] * 256 + tl.arange(0, 256)[None, :]
-    histogram = triton_topk._digit_histogram(tl.load(keys_ptr + at), tl.load(counted_ptr + at) != 0,
-                                             tl.zeros((BLOCK_M,), tl.int32), 24, False, BLOCK_M, BLOCK_N)
+def _radix_primitives(keys_ptr, counted_ptr, lengths_ptr, histogram_ptr, suffix_ptr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    row = tl.arange(0, BLOCK_M)
+    column = tl.arange(0, BLOCK_N)
+    at = row[:, None] * BLOCK_N + column[None, :]
+    bins = row[:, None] * 256 + tl.arange(0, 256)[None, :]
+    # as the top-k counts: a loaded flag and the row's end (built from arange: a layout of its own on sm_90a)
+    counted = (tl.load(counted_ptr + at) != 0) & (column[None, :] < tl.load(lengths_ptr + row)[:, None])
+    histogram = triton_topk._digit_histogram(tl.load(keys_ptr + at), counted, tl.zeros((BLOCK_M,), tl.int32), 24,
+                                             False, BLOCK_M, BLOCK_N)
     tl.store(histogram_ptr + bins, histogram)
     tl.store(suffix_ptr + bins, triton_topk.suffix_sum(histogram, 1))
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-def test_the_radix_selects_histogram_and_suffix_sums(rows):
+@pytest.mark.parametrize(("rows", "columns", "num_warps"), [(1, 4096, 8), (1, 512, 8), (16, 512, 8), (16, 128, 4)])
+def test_the_radix_selects_histogram_and_suffix_sums(rows, columns, num_warps):
     """The top-k's per-row first-digit histogram (masked, rows x 256 bins in one tl.histogram) and its suffix sums,
-    against torch, wherever the suite runs (the GPU's top-k failed where the interpreter's did not:
-    docs/gpu.md, "First run")."""
-    gen = torch.Generator().manual_seed(rows)
-    keys = torch.randint(-(2**31), 2**31 - 1, (rows, 128), generator=gen, dtype=torch.int64).int()
-    counted = torch.rand(rows, 128, generator=gen) < 0.7
+    against torch, wherever the suite runs, in the tiles the GPU runs (topk_default: a row of 512 to 4096 on 8
+    warps), with rows ending mid-tile: the GPU's top-k failed there where the interpreter's did not (docs/gpu.md,
+    "First run"; on CPU tests/test_gpu_pairing.py replays the GPU's pairing)."""
+    gen = torch.Generator().manual_seed(rows * columns)
+    keys = torch.randint(-(2**31), 2**31 - 1, (rows, columns), generator=gen, dtype=torch.int64).int()
+    flags = torch.rand(rows, columns, generator=gen) < 0.7
+    lengths = torch.randint(1, columns + 1, (rows,), generator=gen, dtype=torch.int32)
     histogram, suffix = (torch.empty(rows, 256, dtype=torch.int32, device=DEVICE) for _ in range(2))
-    _radix_primitives[(1,)](keys.to(DEVICE), counted.int().to(DEVICE), histogram, suffix, BLOCK_M=rows, BLOCK_N=128)
+    _radix_primitives[(1,)](keys.to(DEVICE), flags.int().to(DEVICE), lengths.to(DEVICE), histogram, suffix,
+                            BLOCK_M=rows, BLOCK_N=columns, num_warps=num_warps)
+    counted = flags & (torch.arange(columns)[None, :] < lengths[:, None])
     digit = ((keys ^ -(2**31)) >> 24) & 0xFF
     expected = torch.zeros(rows, 256, dtype=torch.int32).scatter_add_(1, digit.long(), counted.int())
     assert torch.equal(histogram.cpu(), expected)
     assert torch.equal(suffix.cpu(), expected.flip(1).cumsum(1).flip(1).int())
+
+
+# ---------------------------------------------------------------- stores stay inside their outputs
+
+SENTINEL = 0x5A5A5A5A  # int32 guard words either side of a guarded buffer
+GUARD = 80000  # wider than a row: the overshoot of a selection or a compaction that disagrees with its counts
+
+
+def _guarded(shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole buffer, a view of `shape` inside it with GUARD sentinel words on each side)."""
+    numel = math.prod(shape)
+    whole = torch.full((GUARD + numel + GUARD,), SENTINEL, dtype=torch.int32)
+    return whole, whole[GUARD:GUARD + numel].view(shape)
+
+
+def _guards_hold(whole: torch.Tensor) -> bool:
+    return bool((whole[:GUARD] == SENTINEL).all() and (whole[-GUARD:] == SENTINEL).all())
+
+
+@pytest.mark.skipif(not flashkern.triton_interpreted(), reason="counts are corrupted in the interpreter")
+@pytest.mark.parametrize("split", (False, True), ids=("one_cta", "split"))
+def test_triton_topk_writes_inside_its_outputs_when_its_passes_disagree(monkeypatch, split):
+    """Histograms that disagree with the keys they count, as a miscompile or a race would make them (every pass
+    counts twice its tile in the row's lowest bin: the threshold is the lowest key, so every key is taken, and the
+    split's compaction keeps every key at offsets twice their place), give a wrong selection but no store outside
+    the output or the split's candidate list: the sentinels around both stay (guards wider than any overshoot,
+    so that a stray store is an assertion, not a corrupted heap). The GPU's default configs (the one-CTA stage,
+    and the split's three passes)."""
+    from triton.runtime import interpreter
+
+    histogram = interpreter.interpreter_builder.create_histogram
+
+    def corrupted(data, bins, mask):
+        rows_counted = histogram(data, bins, mask).data.size // 256
+        counts = np.zeros((rows_counted, 256), dtype=np.int32)
+        counts[:, 0] = 2 * data.data.size // rows_counted
+        return interpreter.TensorHandle(counts.reshape(-1), tl.int32)
+
+    candidates = []
+
+    def guarded_buffers(rows, chunks, width, device):
+        buffers = split_buffers(rows, chunks, width, device)
+        whole, buffers["positions_ptr"] = _guarded((rows, width))
+        candidates.append(whole)
+        return buffers
+
+    split_buffers = triton_topk.split_buffers
+    monkeypatch.setattr(interpreter.interpreter_builder, "create_histogram", corrupted)
+    monkeypatch.setattr(triton_topk, "split_buffers", guarded_buffers)
+    rows, width, k = (3, 70000, 512) if split else (3, 3000, 512)
+    with flashkern.planning_for_gpu():
+        config = triton_topk.topk_default(TopkProblem(rows, width, k))
+    assert bool(split_chunk(rows, width, config["chunks"], config["block_n"])) == split, config
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(9))
+    whole, out = _guarded((rows, k))
+    for launch in triton_topk.select_launches(logits, torch.full((rows,), width, dtype=torch.int32), out, config):
+        launch()
+    assert _guards_hold(whole), "a store outside the output"
+    assert len(candidates) == split and all(map(_guards_hold, candidates)), "a store outside the candidate list"
+
+
+def test_tilelang_compaction_writes_inside_the_candidate_list_when_offsets_overshoot():
+    """The split's compaction after a pass 1 that disagrees with the keys (the row's total all in the lowest bin, so
+    every key is kept; each chunk's sums doubled, so its offset is twice its place, the last chunks' past the row)
+    stores no candidate outside the positions and keys it fills: the sentinels stay. TileLang's safe-memory pass
+    guards every global store by its buffer's extents on both targets (the sm_90a source holds the guard too),
+    so its kernels need no bounds of their own."""
+    from flashkern.kernels._tilelang import CPU, compile_cpu, lower_sm90
+    from flashkern.kernels.indexer import tilelang_topk
+
+    rows, width, k = 2, 6000, 512
+    config = {"threads": 128, "items": 4, "chunks": 8}
+    chunk = split_chunk(rows, width, config["chunks"], config["threads"] * config["items"])
+    assert chunk and width // chunk > 1, chunk
+    chunks = -(-width // chunk)
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(4))
+    buffers = tilelang_topk.split_buffers(rows, chunks, width, "cpu")
+    histogram = compile_cpu(tilelang_topk.chunk_histogram_program(config, CPU))
+    ends = torch.full((rows,), width, dtype=torch.int32)
+    starts = torch.zeros(1, dtype=torch.int32)
+    histogram(logits, ends, starts, buffers["total"], buffers["suffix"], chunk)
+    buffers["total"][:] = 0
+    buffers["total"][:, 0] = width
+    buffers["suffix"] *= 2
+    guards = {name: _guarded((rows, width)) for name in ("positions", "keys")}
+    buffers.update({name: view for name, (_, view) in guards.items()})
+    out = torch.empty((rows, k), dtype=torch.int32)
+    compact_args, _ = tilelang_topk.split_select_args(logits, out, chunk, buffers, CPU, ends=ends)
+    compile_cpu(tilelang_topk.compact_program(config["threads"], config["items"], CPU))(*compact_args)
+    assert all(_guards_hold(whole) for whole, _ in guards.values())
+    assert (buffers["counts"] == 2 * width).all()  # it ran with the disagreeing sums
+    source = lower_sm90(tilelang_topk.compact_program(256, 16, GPU))[0]
+    for store in ("Positions[", "Keys["):
+        at = source.index(store)
+        assert "if (slot[0] < W) {" in source[source.rfind("if (taken", 0, at):at], store

@@ -18,6 +18,7 @@ import flashkern.ops
 from _budget import fraction_of_examples
 from _device import DEVICE, on_device
 from flashkern import registry
+from flashkern.kernels.cases import covering
 from flashkern.kernels.mhc import MhcProblem, SinkhornProblem
 from flashkern.kernels.tiles import split_plan
 from flashkern.kernels.mhc.cases import apply_value_mode
@@ -124,10 +125,8 @@ def test_chain_is_post_then_pre(backend, collapse):
     torch.testing.assert_close(chain.layer_input.float(), unfused.layer_input.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("epilogue", ("last_split", "own_launch"))
-@pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("name", ("mhc_pre", "mhc_post_pre"))
-@pytest.mark.parametrize("collapse", COLLAPSES)
+@pytest.mark.parametrize(*covering(collapse=COLLAPSES, name=("mhc_pre", "mhc_post_pre"), backend=KERNELS,
+                                   epilogue=("last_split", "own_launch")))
 def test_split_k_in_the_gpus_default_config(backend, epilogue, name, collapse):
     """The split-K path as the GPU runs it (the interpreter's default has one split): several splits of each token
     tile, a ragged last tile, the epilogue run by the tile's last split to count in (Triton: in sub-blocks), or

@@ -235,6 +235,9 @@ if sys.argv[1] == "busy":  # what a process that ran the model and the checks ha
     inputs = op.make_inputs(problem, "cpu", 0)
     impl = op.implementation("triton")
     impl.traffic(problem, inputs, impl.default_config(problem), op.empty_outputs(problem, inputs))
+    import pkgutil, importlib, tilelang, flashkern.kernels  # and every module of the kernels' tree (instruments, test aids)
+    for found in pkgutil.walk_packages(flashkern.kernels.__path__, "flashkern.kernels."):
+        importlib.import_module(found.name)
 print(json.dumps({name: identity.source_versions(op) for name, op in registry.operators().items()}))
 """
 

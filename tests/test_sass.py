@@ -169,6 +169,34 @@ def test_the_issue_term_binds_an_issue_bound_kernel_and_hbm_a_streaming_copy(bui
     assert large.bound == "HBM"
 
 
+@pytest.mark.parametrize("opcode, moved", [("LDL", 128), ("STL.64", 256), ("LDL.LU.128", 512), ("STL.U8", 32),
+                                           ("LDG.E", 0), ("STS", 0)])
+def test_local_bytes_are_a_warps_lanes_times_the_access_width(opcode, moved):
+    assert sass.local_bytes(opcode) == moved
+
+
+def test_spills_in_a_loop_are_counted_per_trip_and_charged_by_the_model(built):
+    """A loop whose live values outgrow its register bound reloads and stores spills every trip: the SASS count
+    holds their bytes in the loop's trip, and the model charges them (its local memory term) beside the LDL / STL
+    the issue term already counts; the kernels that fit their registers are charged nothing."""
+    report = built["spill_loop"]
+    assert report.spills and report.registers <= kernels.SPILL_REGISTERS
+    (loop,) = report.issue.loops
+    assert loop.counts["local_bytes"] >= 32 * 4 and loop.counts["lsu"] >= loop.counts["local_bytes"] / 512
+    trips = 100
+    launch = kernels.launches(ctas=132, trips=trips)["spill_loop"]
+    stage = model.predict(Cost(flops=0, bytes=1), [(report, traffic.measure(launch, max_ctas=2))], H200).stages[0]
+    moved = stage.issue.per_warp["local_bytes"] * kernels.WARPS * 132
+    assert moved >= trips * loop.counts["local_bytes"] * kernels.WARPS * 132
+    from_l1, from_l2 = moved / (H200.l1_bytes_per_clock_per_sm * 132 * H200.clock_hz), moved / H200.l2_bytes_per_s
+    frames = report.stack * report.threads * stage.occupancy.ctas_per_sm
+    assert frames > H200.l1_bytes_per_sm  # the resident CTAs' stack frames outgrow L1: part of it comes from L2
+    assert from_l1 < stage.terms["local memory"] < from_l2
+    fitting = model.predict(Cost(flops=0, bytes=1), [(built["fma_loop"], traffic.measure(
+        kernels.launches(ctas=132, trips=trips)["fma_loop"], max_ctas=2))], H200).stages[0]
+    assert "local memory" not in fitting.terms
+
+
 def test_a_cta_that_works_alone_bounds_the_issue_term(built):
     """32 CTAs of the FMA loop, one of which (a last arrival's epilogue) runs 1000 trips where the others run one:
     averaged over the grid its work would look spread over 32 SMs; the model keeps it on its own SM's four

@@ -56,6 +56,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import tilelang  # noqa: F401  (first: importing it puts its tvm on the path)
 import torch
 import tvm
 from tvm import arith, tirx

@@ -18,6 +18,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +81,8 @@ def gpu_pairing(found: list[Pairing]):
         sites = _stack_sites(files)
         matching = [p for p in found if p.sites == sites[:len(p.sites)]]
         if not matching:
-            raise LookupError(f"no histogram of the TTGIR at {sites}: build and run differ")
+            raise LookupError(f"no histogram of the TTGIR at {sites} (the TTGIR's: {[p.sites for p in found]}): "
+                              "build and run differ")
         perms = matching[0].operands
         if perms[0] is not None:
             data = interpreter.TensorHandle(data.data[perms[0]], data.dtype)
@@ -146,9 +148,12 @@ _BUILT: dict = {}  # (builder, setup, described launch) -> TTGIR, for this proce
 def _build_in(python: str, setup, described: list) -> list[str]:
     payload = pickle.dumps((setup, described))
     own = [p for p in sys.path if p and not p.startswith(sys.base_prefix) and "-packages" not in p]  # not installs
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(own)}
-    built = subprocess.run([python, "-c", "from flashkern.kernels._triton.pairing import serve; serve()"],
-                           input=payload, capture_output=True, env=env)
+    # A cache of its own: Triton's cache key is the source, not its path, so a shared cache can hand back the TTGIR
+    # of another checkout, whose locations name files this run never executes.
+    with tempfile.TemporaryDirectory(prefix="flashkern-ttgir-") as cache:
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(own), "TRITON_CACHE_DIR": cache}
+        built = subprocess.run([python, "-c", "from flashkern.kernels._triton.pairing import serve; serve()"],
+                               input=payload, capture_output=True, env=env)
     if built.returncode != 0:
         raise RuntimeError(f"building the TTGIR with {python} failed:\n" + built.stderr.decode()[-4000:])
     return pickle.loads(built.stdout)

@@ -291,15 +291,12 @@ def selection_macros(fl: Flavour, threads: int, items: int, bits_at, eligible, m
                     equal_at[th] = equal + (counts[th] - mine[th]) // EQUAL_UNIT
                     for j in T.unroll(items):
                         if position(start, t, th, j) < end:
-                            # slots past k are never written, whatever the counts say (passes that disagree
-                            # cannot write outside the output)
                             if eligible(keys[th, j], keys[th, j] > state[0]):
-                                if above_at[th] + T.min(equal_at[th], state[1]) < k:
-                                    Dst[d, above_at[th] + T.min(equal_at[th], state[1])] = mapped(
-                                        Blocks, m, position(start, t, th, j))
+                                Dst[d, above_at[th] + T.min(equal_at[th], state[1])] = mapped(
+                                    Blocks, m, position(start, t, th, j))
                                 above_at[th] = above_at[th] + 1
                             elif eligible(keys[th, j], keys[th, j] == state[0]):
-                                if (equal_at[th] < state[1]) & (above_at[th] + equal_at[th] < k):
+                                if equal_at[th] < state[1]:
                                     Dst[d, above_at[th] + equal_at[th]] = mapped(Blocks, m, position(start, t, th, j))
                                 equal_at[th] = equal_at[th] + 1
                 above = above + counts[threads - 1] % EQUAL_UNIT
@@ -567,7 +564,7 @@ def compact_program(threads: int, items: int, fl: Flavour, *, has_starts: bool =
                 for th in fl.parallel(threads):
                     slot[th] = offset + counts[th] - mine[th]
                     for j in T.unroll(items):
-                        if (taken[th, j] == 1) & (slot[th] < width):  # (pass 1's counts fit the row)
+                        if taken[th, j] == 1:
                             Positions[m, slot[th]] = position(lo, t, th, j)
                             Keys[m, slot[th]] = keys[th, j]
                         slot[th] = slot[th] + taken[th, j]
