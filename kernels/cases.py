@@ -53,6 +53,14 @@ def narrowed(variants: list, keep: int = 1) -> list:
     return variants[:keep] if narrow() else variants
 
 
+def staggered(rows: list, variants: list) -> list[tuple]:
+    """(row, variant) pairs: every pair in a wide run; in a narrow run row i meets variant i mod len(variants), so
+    each row runs once and each variant at least once where there are as many rows as variants."""
+    if not narrow():
+        return list(itertools.product(rows, variants))
+    return [(row, variants[i % len(variants)]) for i, row in enumerate(rows)]
+
+
 def seeded(draw, high: int = 2**31 - 1) -> torch.Generator:
     """A torch generator from a drawn seed (failures shrink to seed 0)."""
     return torch.Generator().manual_seed(draw(st.integers(0, high), label="seed"))

@@ -213,7 +213,7 @@ def test_c_target_compiles_leave_nothing_in_the_temporary_folder(tmp_path, monke
 def test_the_c_target_still_needs_the_late_simplify_skipped(monkeypatch, tmp_path):
     """TileLang 0.1.15's last simplifier pass folds a bf16 store of -inf into a reinterpretation of the constant,
     which its C code generator prints as the address of a constant (`&(-INFINITY)`: no C compiler takes it). Our
-    C compiles skip that pass (`_c_codegen_without_simplify`). When a TileLang upgrade fixes the code generator,
+    C compiles skip that pass (`_c_pipeline_without_simplifiers`). When a TileLang upgrade fixes the code generator,
     the first half fails (the skip is then a speed-up only); the second half checks the skip still works."""
     import random
     import tempfile
@@ -291,23 +291,23 @@ def test_the_c_wrapper_still_needs_the_stride_symbols(monkeypatch, tmp_path):
     assert torch.equal(out, wide[:, :4] * salt)
 
 
-@pytest.mark.parametrize("target, simplified", [("c", False), ("cuda", True)])
-def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, simplified):
-    """Our C compiles skip the tirx.Simplify TileLang runs after LowerIntrin when it prints a C kernel (a large
-    share of a C compile, folded by the C compiler anyway) and keep it for CUDA, whose source GPU users get; the
-    skip lasts only while our compile runs."""
+def test_c_compiles_skip_the_simplifiers_and_cuda_lowering_keeps_them():
+    """Our C compiles run TileLang's pipeline with its simplifiers up to C_LEGALIZED_BY and without C_SKIPPED_PASSES
+    (the simplifiers and code motion the C compiler repeats) after it, and still lower the tile ops; an sm_90a
+    lowering runs the simplifiers throughout (its source is what GPU users get); the skip lasts only while our compile
+    runs."""
+    import random
+
+    import tilelang
     import tilelang.language as T
-    from tvm import IRModule, transform
+    import torch
+    from tilelang.instrumentation.session import PassInstrumentationTool, register_pass_instrumentation_tool, \
+        unregister_pass_instrumentation_tool
     from tvm.ir.instrument import pass_instrument
-    from tvm.target import Target
 
-    from flashkern.kernels._tilelang import _c_codegen_without_simplify
+    from flashkern.kernels import _tilelang as tl
 
-    @T.prim_func
-    def halves(a: T.Tensor((64,), "int32"), b: T.Tensor((64,), "int32")):
-        for i in T.serial(64):
-            b[i] = a[i] // 2 + a[i] % 2
-
+    salt = random.randrange(1, 1 << 15)  # a source no earlier run compiled (TileLang's disk cache)
     ran = []
 
     @pass_instrument
@@ -315,13 +315,31 @@ def test_device_codegen_skips_the_last_simplify_on_the_c_target_only(target, sim
         def run_before_pass(self, mod, info):
             ran.append(info.name)
 
-    module = IRModule({"halves": halves.with_attr("target", Target(target))})
-    lower = importlib.import_module("tilelang.engine.lower")
-    untouched = lower._prepare_device_codegen_mod
-    with transform.PassContext(opt_level=3, instruments=[Record()]), _c_codegen_without_simplify():
-        lower._prepare_device_codegen_mod(module)
-    assert "tl.LowerIntrin" in ran and ("tirx.Simplify" in ran) == simplified, ran
-    assert lower._prepare_device_codegen_mod is untouched  # nothing left changed for the rest of the process
+    class Recorder(PassInstrumentationTool):
+        def create_pass_instrument(self):
+            return Record()
+
+    @T.prim_func
+    def halves(a: T.Tensor((64,), "int32"), b: T.Tensor((64,), "int32")):
+        with T.Kernel(1, threads=64) as _:
+            for i in T.serial(64):
+                b[i] = a[i] // 2 + a[i] % 2 + salt
+
+    register_pass_instrumentation_tool("flashkern-test-recorder", Recorder)
+    try:
+        kernel = tl.compile_cpu(halves)
+        c_passes, ran[:] = list(ran), []
+        tilelang.lower(halves, target=tl._sm90_target())
+        cuda_passes = list(ran)
+    finally:
+        unregister_pass_instrumentation_tool("flashkern-test-recorder")
+    legal = c_passes.index(tl.C_LEGALIZED_BY)
+    assert "tl.LowerTileOp" in c_passes[:legal] and "tl.Simplify" in c_passes[:legal], c_passes
+    assert not set(c_passes[legal:]) & tl.C_SKIPPED_PASSES, c_passes
+    assert {"tl.Simplify", "tirx.Simplify"} <= set(cuda_passes), cuda_passes
+    a, b = torch.arange(64, dtype=torch.int32), torch.empty(64, dtype=torch.int32)
+    kernel(a, b)
+    assert torch.equal(b, a // 2 + a % 2 + salt)
 
 
 def test_importing_flashkern_changes_nothing_in_tilelang():

@@ -289,13 +289,14 @@ def test_tilelang_decode_gate_in_one_launch_and_in_stages(routing):
             assert torch.equal(first[0].view(torch.int32), second[0].view(torch.int32))
 
 
-@pytest.mark.parametrize("routing, tokens, norm", ((V41_FLASH, 65, True), (V3, 130, False)), ids=("v41", "v3"))
+@pytest.mark.parametrize("routing, tokens, norm", narrowed([pytest.param(V41_FLASH, 65, True, id="v41"),
+                                                            pytest.param(V3, 130, False, id="v3")]))
 def test_prefill_gate_in_the_gpus_default_config(routing, tokens, norm):
     """The GPU's default at prefill runs the Triton gate as three launches (1 / rms per token, a GEMM into fp32 partial
     logits split over D and expert blocks, the routing of their summed partials), where the interpreter's default
-    keeps one: 65 tokens with the RMSNorm (V4.1 routing), 130 without (V3's); the default (64-row tiles, D split at 65
-    tokens) and its 128-row tiles (from 1024 tokens) unsplit, against the oracle and bitwise the same when run
-    again."""
+    keeps one: 65 tokens with the RMSNorm (V4.1 routing), 130 without (V3's, in wide profiles); the default (64-row
+    tiles, D split at 65 tokens) and its 128-row tiles (from 1024 tokens) unsplit, against the oracle and bitwise the
+    same when run again."""
     impl = MOE_ROUTE_GATE.implementation("triton")
     problem = RouteProblem(tokens=tokens, routing=routing, has_bias=True, has_valid=True, hidden=1024, has_norm=norm)
     inputs = MOE_ROUTE_GATE.make_inputs(problem, DEVICE, seed=tokens)

@@ -169,48 +169,47 @@ def _c_wrapper_with_strides():
         TLCPUSourceWrapper.get_dynamic_symbolic_set = shape_symbols
 
 
-@contextlib.contextmanager
-def _c_codegen_without_simplify():
-    """While open, C-target code generation skips the arithmetic simplifier TileLang 0.1.15 runs on a kernel just
-    before printing it.
+# What our C compiles skip once the program is legal (after C_LEGALIZED_BY: the passes up to it rely on simplified
+# forms): arithmetic simplifiers and code motion that only tidy the program for the next pass or the printer. The C
+# compiler (-O2) does the same folding and hoisting; CUDA builds run them all (their source is what GPU users get).
+# What the program computes is untouched: every C-flavour test compares it to the reference.
+C_LEGALIZED_BY = "tl.LegalizeSafeMemoryAccess"
+C_SKIPPED_PASSES = frozenset({"tl.Simplify", "tirx.Simplify", "s_tir.HoistIfThenElse", "tirx.RemoveNoOp",
+                              "tl.LoopUnswitching", "s_tir.RenormalizeSplitPattern"})
 
-    Device code generation runs LowerIntrin (power-of-two `//` and `%` become shifts and masks) and then a full
-    `tirx.Simplify` over the kernel, whose expressions the pipeline already simplified: on the shifted forms that
-    pass took 25-50% of a C compile here (paged_mqa_logits 3.2 -> 1.8 s, moe_route_gate 3.2 -> 1.7 s; the C
-    sources are the same but for the few folds it made); a test run's C compiles went from 341 to 251 s of CPU.
-    The C compiler (-O2) folds the same arithmetic. CUDA builds keep it: the sm_90a source is what GPU users get.
-    It is also a fix: that pass folds a float constant into a bit reinterpretation (a bf16 store of -inf), which
-    the C code generator then prints as `*(uint32_t *)(&(-INFINITY))`, the address of a constant, which does not
-    compile (tests/test_compile_check.py notices when a TileLang upgrade fixes it).
+
+@contextlib.contextmanager
+def _c_pipeline_without_simplifiers():
+    """While open, TileLang compiles skip C_SKIPPED_PASSES after C_LEGALIZED_BY, through TileLang's per-compile
+    instrumentation session (a tool whose pass instrument, one per compile, declines them); nothing outside the
+    session changes. A TileLang that runs no C_LEGALIZED_BY skips nothing.
+
+    Why: a C compile of 4-30 s here is nearly all TVM passes, about half of it these (sparse_decode_attention 31 ->
+    17 s, paged_mqa_logits 26 -> 12 s, mhc_pre 11 -> 5 s at their first smoke shapes). It is also a fix: the
+    simplifier TileLang 0.1.15 runs just before printing folds a float constant into a bit reinterpretation (a bf16
+    store of -inf), which the C code generator prints as `*(uint32_t *)(&(-INFINITY))`, the address of a constant,
+    which does not compile (tests/test_compile_check.py notices when a TileLang upgrade fixes it).
     """
-    from tvm import transform
+    from tilelang.instrumentation.session import PassInstrumentationTool, compile_pass_instrumentation
     from tvm.ir.instrument import pass_instrument
 
-    lower = importlib.import_module("tilelang.engine.lower")  # the module: the package exports a function `lower`
-    prepare = getattr(lower, "_prepare_device_codegen_mod", None)
-    if prepare is None:  # another TileLang: leave it as it is
-        yield
-        return
-
     @pass_instrument
-    class SkipSimplify:
+    class DeclineOnceLegal:
+        def __init__(self):
+            self.legal = False
+
         def should_run(self, mod, info) -> bool:
-            return info.name != "tirx.Simplify"
+            if not self.legal:
+                self.legal = info.name == C_LEGALIZED_BY
+                return True
+            return info.name not in C_SKIPPED_PASSES
 
-    def prepare_without_simplify_on_c(device_mod):
-        if not any(fn.attrs and "target" in fn.attrs and fn.attrs["target"].kind.name == "c"
-                   for fn in device_mod.functions.values()):
-            return prepare(device_mod)
-        outer = transform.PassContext.current()
-        with transform.PassContext(opt_level=outer.opt_level, config=dict(outer.config),
-                                   instruments=[*outer.instruments, SkipSimplify()]):
-            return prepare(device_mod)
+    class SkipSimplifiers(PassInstrumentationTool):
+        def create_pass_instrument(self):
+            return DeclineOnceLegal()
 
-    lower._prepare_device_codegen_mod = prepare_without_simplify_on_c
-    try:
+    with compile_pass_instrumentation(name="flashkern-c", tools=[SkipSimplifiers()], reuse_existing=False):
         yield
-    finally:
-        lower._prepare_device_codegen_mod = prepare
 
 
 @contextlib.contextmanager
@@ -250,9 +249,9 @@ def compile_cpu(prim_func):
     (thousands of files after a test run); they are written to a folder of ours, removed once the library is loaded
     and copied to TileLang's cache. The folder is set through `tempfile.tempdir`, a process-wide setting: compiles
     must not run on several threads of one process at once (ours run one per process). TileLang's C target needs two
-    fixes, both applied only while this compile runs: _c_wrapper_with_strides and _c_codegen_without_simplify."""
+    fixes, both applied only while this compile runs: _c_wrapper_with_strides and _c_pipeline_without_simplifiers."""
     with tempfile.TemporaryDirectory(prefix="flashkern-c-") as folder, _quiet_tilelang(), \
-            _c_wrapper_with_strides(), _c_codegen_without_simplify():
+            _c_wrapper_with_strides(), _c_pipeline_without_simplifiers():
         shared_default, tempfile.tempdir = tempfile.tempdir, folder
         try:
             return tilelang.compile(prim_func, target="c", pass_configs=CPU_PASS_CONFIGS,
