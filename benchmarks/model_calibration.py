@@ -337,12 +337,16 @@ def markdown(results: list[dict], command: str) -> str:
         by = lambda key: [r["case"] for r in sorted(ranked, key=lambda r: -r[key])]  # noqa: E731
         lines += ["", f"Published order (TFLOPS, highest first): {', '.join(by('published_tflops'))}.",
                   f"Model order: {', '.join(by('model_tflops'))}."]
-    lines += ["", "Terms per launch (µs): the model's time is the longest.", "",
-              "| kernel | launch | HBM | L2 | tensor | issue | latency |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Terms per launch (µs), and the model's time from them (`model.composed`: the memory and compute "
+              "sides overlapping partly, no less than latency):", "",
+              "| kernel | launch | HBM | L2 | tensor | issue | latency | composed |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for i, terms in enumerate(r.get("terms", [])):
             lines.append(f"| {r['case']} | {i} | " + " | ".join(f"{terms.get(k, 0) * 1e6:.1f}" for k in
-                                                                 ("HBM", "L2", "tensor", "issue", "latency")) + " |")
+                                                                 ("HBM", "L2", "tensor", "issue", "latency"))
+                         + f" | {model.composed(terms) * 1e6:.1f} |")
+    lines += fit_table(results)
     side = [r for r in results if r.get("ours")]
     if side:
         lines += ["", "Ours beside the anchor computing the same operator (predicted kernel times, one run):", "",
@@ -362,6 +366,54 @@ def markdown(results: list[dict], command: str) -> str:
     if notes:
         lines += ["", "Notes:", ""] + [f"- {r['case']}: {r['note']}." for r in notes]
     return "\n".join(lines) + "\n"
+
+
+FIT_EXPONENTS = (1.5, 1.75, 2.0, 2.5, 3.0, 4.0, math.inf)
+FIT_L2_PER_CLOCK = (27.5, 36.0, 42.0, 50.0)  # B/clk/SM: Chips and Cheese's read test ... the fit's upper edge
+
+
+def fitted_seconds(result: dict, exponent: float, l2_per_clock: float) -> float:
+    """A result's kernel time had the model used this overlap exponent and L2 bandwidth (its L2 term rescaled)."""
+    total = 0.0
+    for terms in result["terms"]:
+        terms = dict(terms, L2=terms.get("L2", 0.0) * model.L2_BYTES_PER_CLOCK_PER_SM / l2_per_clock)
+        memory = max(terms.get(name, 0.0) for name in model.MEMORY_TERMS)
+        compute = max(terms.get(name, 0.0) for name in model.COMPUTE_TERMS)
+        both = max(memory, compute) if math.isinf(exponent) else (memory ** exponent + compute ** exponent) ** (
+            1 / exponent)
+        total += max(both, terms.get("latency", 0.0))
+    return total
+
+
+def fit_table(results: list[dict]) -> list[str]:
+    """The fit of OVERLAP_EXPONENT and the L2 bandwidth: the RMS of log(model / published) over the published
+    anchors but the sparse MLA backward (whose fp32 atomics the model has no term for), per candidate pair."""
+    fitted = [r for r in results if r.get("published_seconds") and "terms" in r and "bwd" not in r["case"]]
+    if not fitted:
+        return []
+
+    def rms(exponent, l2):
+        return math.sqrt(sum(math.log(fitted_seconds(r, exponent, l2) / r["published_seconds"]) ** 2
+                             for r in fitted) / len(fitted))
+
+    lines = ["", f"The fit (RMS of log(model / published) over {len(fitted)} published points, the backward left out; "
+             f"MATH_EFFICIENCY {model.MATH_EFFICIENCY}; the model's constants: exponent "
+             f"{model.OVERLAP_EXPONENT:g}, L2 {model.L2_BYTES_PER_CLOCK_PER_SM:g} B/clk/SM):", "",
+             "| exponent \\ L2 B/clk/SM | " + " | ".join(f"{l2:g}" for l2 in FIT_L2_PER_CLOCK) + " |",
+             "|---|" + "---:|" * len(FIT_L2_PER_CLOCK)]
+    for exponent in FIT_EXPONENTS:
+        lines.append(f"| {exponent:g} | " + " | ".join(f"{rms(exponent, l2):.3f}" for l2 in FIT_L2_PER_CLOCK) + " |")
+    lines += ["", "Each kernel held out: the pair fitted on the others, and the held-out points' model / published:", "",
+              "| held out | exponent, L2 fitted without it | model / published |", "|---|---|---|"]
+    for kernel in sorted({r["case"].split(" ")[0] for r in fitted}):
+        rest = [r for r in fitted if r["case"].split(" ")[0] != kernel]
+        exponent, l2 = min(((e, l2) for e in FIT_EXPONENTS for l2 in FIT_L2_PER_CLOCK),
+                           key=lambda pair: sum(math.log(fitted_seconds(r, *pair) / r["published_seconds"]) ** 2
+                                                for r in rest))
+        held = [f"{fitted_seconds(r, exponent, l2) / r['published_seconds']:.2f}" for r in fitted
+                if r["case"].split(" ")[0] == kernel]
+        lines.append(f"| {kernel} | {exponent:g}, {l2:g} | {', '.join(held)} |")
+    return lines
 
 
 def write(path: Path, text: str):

@@ -336,10 +336,11 @@ def cmd_model(args) -> int:
     for r in rows:
         if r.prediction is None:
             console.print(f"[red]{r.op}/{r.impl} {escape(r.problem.key)}[/red]: {escape(r.error)}")
-    console.print(f"model: kernel time = the longest of HBM (L2 misses at {model.MEMORY_EFFICIENCY:.0%} of peak), L2, "
-                  f"tensor ({model.MATH_EFFICIENCY:.0%} of the peak of the arithmetic built), all over the SM fill; "
-                  f"issue (the SASS per pipe over the busy sub-partitions) and latency (dependent global phases x a "
-                  f"round trip); then a launch: {model.LAUNCH_SECONDS * 1e6:.1f} us from the host, "
+    console.print(f"model: kernel time = the memory side (HBM: L2 misses at {model.MEMORY_EFFICIENCY:.0%} of peak; "
+                  f"L2; spills) and the compute side (tensor: {model.MATH_EFFICIENCY:.0%} of the peak of the "
+                  f"arithmetic built; issue: the SASS per pipe over the busy sub-partitions at their warps' issue "
+                  f"efficiency), all over the SM fill, overlapping as a {model.OVERLAP_EXPONENT:g}-norm, no less than "
+                  f"latency (dependent global phases x a round trip); then a launch: {model.LAUNCH_SECONDS * 1e6:.1f} us from the host, "
                   f"{model.GRAPH_LAUNCH_SECONDS * 1e6:.1f} us in a CUDA graph; roof = the operator's bytes at HBM peak "
                   f"or flops at its arithmetic's peak, no launch; device figures: {device.sources}")
     records = [r.record() for r in rows]

@@ -15,15 +15,17 @@ Per implementation, config and shape, for each kernel launch (stage):
            interpreter, per CTA, so the heaviest traced CTA bounds it too; loops without a traced header count
            one trip per entry), straight code as often as its kernel line ran per CTA (a branch few CTAs take,
            a last arrival's epilogue, is not charged to all), at each pipe's issue rate;
-  time     the longest of: HBM (bytes L2 does not serve, `hbm_bytes`: tensors it holds, tiles co-resident
-           CTAs share; / (HBM peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor
-           (flops / (peak of the arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp
-           instructions over the busy sub-partitions, and no less than the heaviest CTA's on one SM); latency
-           (dependent global phases per CTA x a round trip, per wave); local memory (spills: the SASS's local
-           loads and stores, from L1 while the stack frames fit beside shared memory, else L2); host link (Cost.host_bytes, a table in
-           pinned host memory, at HOST_LINK_EFFICIENCY of the link's rate, plus one round trip over it). Then a
-           launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a CUDA graph. The operator's flops go to
-           its stage with tensor-core instructions (else to the stage that moves the most bytes).
+  terms    HBM (bytes L2 does not serve, `hbm_bytes`: tensors it holds, tiles co-resident CTAs share; / (HBM
+           peak x MEMORY_EFFICIENCY)), L2 (every requested byte at L2 bandwidth), tensor (flops / (peak of the
+           arithmetic built x MATH_EFFICIENCY)), all over the SM fill; issue (warp instructions over the busy
+           sub-partitions at the issue efficiency of their warps, and no less than the heaviest CTA's on one SM);
+           latency (dependent global phases per CTA x a round trip, per wave); local memory (spills: the SASS's
+           local loads and stores, from L1 while the stack frames fit beside shared memory, else L2); host link
+           (Cost.host_bytes, a table in pinned host memory, at HOST_LINK_EFFICIENCY of the link's rate, plus one
+           round trip over it). The operator's flops go to its stage with tensor-core instructions (else to the
+           stage that moves the most bytes);
+  time     the memory side's longest term and the compute side's overlapping partly (`composed`), no less than
+           the latency term; then a launch: LAUNCH_SECONDS from the host, GRAPH_LAUNCH_SECONDS in a CUDA graph.
 The operator's roof is max(Cost.bytes / HBM peak, Cost.flops / peak of Cost.math, Cost.host_bytes / host link rate),
 with no launch; the roofline fraction is roof / predicted kernel time (launch excluded, reported beside it), so a
 decode-size kernel is judged by its own work.
@@ -45,7 +47,16 @@ from flashkern.kernels.build import BuildReport, Census, LaunchTraffic
 from flashkern.registry import Cost
 
 MEMORY_EFFICIENCY = 0.8  # of HBM peak: what FlashMLA and DeepGEMM report for memory-bound kernels on H800 / H200
-MATH_EFFICIENCY = 0.7  # of dense tensor-core peak: DeepGEMM's FP8 GEMMs at large shapes
+MATH_EFFICIENCY = 0.77  # of dense tensor-core peak: TileLang's FP16 GEMM at 8192^3 publishes 758 of 989 TFLOPS
+# The memory side (HBM, L2, local memory, host link: one path, so its longest term stands for it) and the compute
+# side (tensor, issue) overlap partly: a stage takes (memory^p + compute^p)^(1/p), p = OVERLAP_EXPONENT (infinity
+# would be perfect overlap, 1 none), and no less than its latency term. Fitted with the L2 bandwidth on the
+# published anchors (docs/model-calibration.md): near-equal terms cost about 1.4x the longer one.
+OVERLAP_EXPONENT = 2.0
+# A warp waits this long between dependent instructions (the FP32 and integer pipes' latency), so a sub-partition
+# issues every cycle only with as many warps to choose from: w < 4 warps a sub-partition dispatch w / 4 of its
+# cycles at most (`warp_cycles`).
+DEPENDENT_ISSUE_CYCLES = 4
 LAUNCH_SECONDS = 3e-6  # per kernel launch, from the host's launch to the grid's first instruction (no CUDA graph)
 GRAPH_LAUNCH_SECONDS = 1.3e-6  # per kernel inside a CUDA graph on H100 (Hazy Research, "Look Ma, No Bubbles!", 2025)
 # Of a host link's rate that small random reads through UVA get: PCIe's packet headers (about 24 bytes a read
@@ -56,9 +67,11 @@ NVLINK_C2C = 450e9  # bytes per second each way, Grace to Hopper (NVIDIA GH200 d
 HOST_ROUND_TRIP_S = 1.5e-6  # a GPU read of host memory over PCIe and back: about three HBM round trips
 
 
-# Chips and Cheese ("Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023) measured 5.5 TB/s of L2 hits on an
-# H100 PCIe (114 SMs, 1755 MHz boost): per SM and clock, what the SXM parts' 132 SMs get at their own clock.
-L2_BYTES_PER_CLOCK_PER_SM = 5.5e12 / (114 * 1.755e9)
+# L2 hits per SM and clock, fitted with OVERLAP_EXPONENT on the published anchors: 12.1 TB/s on 132 SMs at 1.83
+# GHz. TileLang's FP16 GEMM at 8192^3 moves 12.6 GB through L2 in its published 1451 us (at least 8.7 TB/s), above
+# Chips and Cheese's read test ("Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023: 5.5 TB/s on an H100 PCIe,
+# 114 SMs at 1755 MHz, 27.5 B/clk/SM).
+L2_BYTES_PER_CLOCK_PER_SM = 50.0
 
 
 @dataclass(frozen=True)
@@ -92,8 +105,8 @@ class Device:
         return self.l2_bytes_per_clock_per_sm * self.sms * self.clock_hz
 
 
-_HOPPER_SOURCES = ("L2 hits 27.5 B/clk/SM (6.6 TB/s on 132 SMs at 1.83 GHz): Chips and Cheese's H100 PCIe "
-                   "measurement, 5.5 TB/s on 114 SMs at 1755 MHz (near partition; 3.8 TB/s over all 50 MB); global "
+_HOPPER_SOURCES = ("L2 hits 50 B/clk/SM (12.1 TB/s on 132 SMs at 1.83 GHz): fitted on published anchors "
+                   "(docs/model-calibration.md; Chips and Cheese's H100 PCIe read test: 27.5); global "
                    "round trip 0.5 us: HBM latency about the 354 ns Chips and Cheese reads off H100 PCIe, plus the "
                    "barrier; clock 1.83 GHz: the dense BF16 peak's; issue rates: kernels/sass.py")
 
@@ -197,11 +210,11 @@ class StagePrediction:
 
     @property
     def kernel_seconds(self) -> float:
-        return max(self.terms.values(), default=0.0)
+        return composed(self.terms)
 
     @property
     def bound(self) -> str:
-        """The term that bounds the stage ("issue (alu)" names the pipe)."""
+        """The longest term, which the others only add to ("issue (alu)" names the pipe)."""
         if not self.terms:
             return ""
         term = max(self.terms, key=self.terms.get)
@@ -272,6 +285,19 @@ class Prediction:
         return Census.total(s.report.census for s in self.stages)
 
 
+MEMORY_TERMS = ("HBM", "L2", "local memory", "host link")
+COMPUTE_TERMS = ("tensor", "issue")
+
+
+def composed(terms: dict) -> float:
+    """A stage's time from its terms' seconds: the memory side's longest and the compute side's longest overlapping
+    partly, (memory^p + compute^p)^(1/p) with p = OVERLAP_EXPONENT; no less than the latency term."""
+    memory = max((terms.get(name, 0.0) for name in MEMORY_TERMS), default=0.0)
+    compute = max((terms.get(name, 0.0) for name in COMPUTE_TERMS), default=0.0)
+    both = (memory ** OVERLAP_EXPONENT + compute ** OVERLAP_EXPONENT) ** (1 / OVERLAP_EXPONENT)
+    return max(both, terms.get("latency", 0.0))
+
+
 def _fill(ctas: int, resident: int, device: Device) -> tuple[int, float]:
     """(waves, busy fraction): one wave fills min(CTAs, SMs) of the SMs; later waves leave a tail."""
     if ctas == 0:
@@ -307,16 +333,26 @@ def _issue_seconds(issue: Issue, ctas: int, warps: int, resident: int, device: D
     """Every warp's cycles spread over the sub-partitions the grid keeps busy: min(CTAs, SMs) SMs, each with at
     most `sub_partitions` of its resident warps issuing at once; and no less than the heaviest CTA's warps take on
     one SM's sub-partitions (a CTA that works alone, such as the last arrival that runs an epilogue, is not
-    spread over the grid)."""
-    cycles, pipe_name = issue.cycles_per_warp()
+    spread over the grid). A sub-partition with w warps also waits on dependencies: each warp issues at most
+    every DEPENDENT_ISSUE_CYCLES (`warp_cycles`)."""
     per_sm = min(resident, math.ceil(ctas / device.sms)) * warps
     lanes = min(ctas, device.sms) * min(device.sub_partitions, per_sm)
+    cycles, pipe_name = warp_cycles(issue, issue.per_warp, per_sm / min(device.sub_partitions, per_sm))
     balanced = ctas * warps * cycles / lanes / device.clock_hz
     if issue.heaviest is None:
         return balanced, pipe_name
-    heaviest, heaviest_pipe = issue.cycles_per_warp(issue.heaviest)
+    heaviest, heaviest_pipe = warp_cycles(issue, issue.heaviest, warps / min(device.sub_partitions, warps))
     alone = warps * heaviest / min(device.sub_partitions, warps) / device.clock_hz
     return (balanced, pipe_name) if balanced >= alone else (alone, heaviest_pipe)
+
+
+def warp_cycles(issue: Issue, per_warp: dict, warps_per_sub_partition: float) -> tuple[float, str]:
+    """(cycles of its sub-partition one warp takes, what binds it): its instructions at their pipes' rates
+    (Issue.cycles_per_warp), or, with fewer than DEPENDENT_ISSUE_CYCLES warps to choose from, its share of the
+    wait between its own dependent instructions ("dependencies"; independent ones within a warp not credited)."""
+    cycles, pipe_name = issue.cycles_per_warp(per_warp)
+    waits = sum(per_warp[name] for name in sass.PIPES) * DEPENDENT_ISSUE_CYCLES / warps_per_sub_partition
+    return (waits, "dependencies") if waits > cycles else (cycles, pipe_name)
 
 
 def _local_seconds(issue: Issue, report: BuildReport, ctas: int, resident: int, device: Device) -> float:
@@ -335,7 +371,7 @@ def _local_seconds(issue: Issue, report: BuildReport, ctas: int, resident: int, 
 def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device: Device) -> Prediction:
     """The model's time for one call: its stages (each launch's build report and traffic) on `device`.
 
-    A stage takes the longest of its terms: HBM (bytes L2 misses, `hbm_bytes`, at MEMORY_EFFICIENCY of the peak)
+    A stage's time composes its terms (`composed`): HBM (bytes L2 misses, `hbm_bytes`, at MEMORY_EFFICIENCY of the peak)
     and L2 (every requested byte at L2 bandwidth), both over the SM fill; tensor (the operator's flops, charged
     to the stage with tensor-core instructions, at MATH_EFFICIENCY of the peak of the arithmetic built) over the
     fill; issue (the SASS's warp instructions over the sub-partitions busy, `_issue_seconds`); latency (waves x

@@ -25,9 +25,10 @@ OPS = sorted(registry.operators())
 # why: the model charges their spills (its local memory term, tests/test_sass.py), and nothing else may spill.
 MUST_SPILL = {
     ("sparse_decode_attention", "triton"): "64 heads a program (wgmma's M: a record decoded once per token): the "
-    "[64, 512] fp32 accumulator holds 128 of 255 registers, and Triton 3.9's allocator (--regAllocOptLevel=2) "
-    "spills 1.1-1.3 KB beside it; modelled 29 us at T = 64 against 119 us for 16 heads that do not spill, so the "
-    "spilling design stays the default until the role split (issue 54) frees the registers; 8 heads (16-head "
+    "[64, 512] fp32 accumulator holds 128 of 255 registers, and the allocator spills 1.0-1.3 KB beside it "
+    "(Triton 3.9 with --regAllocOptLevel=2, and 3.6); modelled 53.5 us at T = 64 on 3.6 against 230 us for 16 "
+    "heads that do not spill (docs/operators.md 8.3), so the spilling design stays the default on both until the "
+    "role split (issue 54) frees the registers; 8 heads (16-head "
     "programs) spill 32 B where ptxas targets two CTAs an SM (128 registers), and bounding it by the register file "
     "(register_bound) took the other specializations to 253-255 registers and one to 172 B of spills",
 }

@@ -18,6 +18,7 @@ import triton.language as tl
 from flashkern import model, registry
 from flashkern.autotune import identity
 from flashkern_cli import main
+from flashkern.kernels import sass
 from flashkern.kernels._triton import Launch
 from flashkern.kernels._triton import traffic as triton_traffic
 from flashkern.kernels.build import BuildReport, Census, LaunchTraffic, TensorTraffic
@@ -106,8 +107,39 @@ def test_time_and_roof():
     gemm = model.predict(Cost(flops=1979e12 * 1e-3, bytes=1, math="fp8"),
                          [(report, LaunchTraffic(132, 1, 0, 132)), (tensor, LaunchTraffic(132, 1, 0, 132))], H200)
     assert [s.flops for s in gemm.stages] == [0, 1979e12 * 1e-3]  # charged to the stage with tensor cores
-    assert gemm.stages[1].seconds == pytest.approx(1e-3 / 0.7 + model.LAUNCH_SECONDS, rel=1e-6)
+    assert gemm.stages[1].seconds == pytest.approx(1e-3 / model.MATH_EFFICIENCY + model.LAUNCH_SECONDS, rel=1e-6)
     assert gemm.bound == "tensor"
+
+
+def test_memory_and_compute_overlap_partly_and_latency_bounds_them():
+    """One side's terms overlap completely (the longest stands for the side); the two sides as a p-norm, so two
+    equal sides cost 2^(1/p) of one and a side far behind adds almost nothing; the latency term is a floor."""
+    p = model.OVERLAP_EXPONENT
+    assert model.composed({"HBM": 3.0, "L2": 2.0, "local memory": 1.0}) == 3.0
+    assert model.composed({"tensor": 3.0, "issue": 1.0}) == 3.0
+    assert model.composed({"HBM": 1.0, "tensor": 1.0}) == pytest.approx(2 ** (1 / p))
+    assert model.composed({"L2": 1.0, "issue": 0.01}) == pytest.approx(1.0, rel=1e-3)
+    assert model.composed({"HBM": 3.0, "L2": 1.0, "issue": 4.0}) == pytest.approx((3.0 ** p + 4.0 ** p) ** (1 / p))
+    assert model.composed({"HBM": 1.0, "tensor": 1.0, "latency": 5.0}) == 5.0
+    assert model.composed({}) == 0.0
+
+
+def test_a_sub_partition_with_few_warps_waits_on_their_dependencies():
+    """A warp issues a dependent instruction every DEPENDENT_ISSUE_CYCLES: with fewer warps than that a
+    sub-partition idles between dispatches, unless a slow pipe binds anyway (ALU issues every other cycle)."""
+    cycles = model.DEPENDENT_ISSUE_CYCLES
+    idle = dict.fromkeys([*sass.PIPES, *sass.ISSUE_RATE], 0.0)
+    issue = model.Issue(per_warp=idle | {"fma": 1000.0}, trips=(), traced=True, phases=1.0)
+    assert model.warp_cycles(issue, issue.per_warp, cycles) == (1000.0, "dispatch")
+    assert model.warp_cycles(issue, issue.per_warp, 1) == (1000.0 * cycles, "dependencies")
+    assert model.warp_cycles(issue, idle | {"alu": 1000.0}, cycles / 2) == (2000.0, "alu")  # 2 warps hide it
+    seconds = {warps: model._issue_seconds(issue, ctas=132, warps=warps, resident=1, device=H200)
+               for warps in (4, 8, 16, 32)}
+    # one CTA an SM doing the same work per warp: 1 or 2 warps a sub-partition take the dependent chain's time,
+    # from 4 the sub-partition's dispatch binds and time grows with the warps
+    assert seconds[4][0] == pytest.approx(seconds[8][0]) == pytest.approx(seconds[16][0])
+    assert seconds[4][1] == "dependencies" and seconds[16][1] == "dispatch"
+    assert seconds[32][0] == pytest.approx(2 * seconds[16][0])
 
 
 def test_re_reads_inside_l2_are_charged_at_l2_bandwidth():

@@ -211,15 +211,16 @@ def test_a_cta_that_works_alone_bounds_the_issue_term(built):
         traffic = LaunchTraffic(ctas, 1.0, 0.0, ctas, lines=lines, cta_lines=cta_lines)
         return model.predict(Cost(flops=0, bytes=1), [(report, traffic)], H200).stages[0]
 
+    lanes = min(4, kernels.WARPS)  # one CTA an SM: its warps' sub-partitions
     skewed = issue_seconds((light,) * 7 + (heavy,))
-    heaviest = model.Issue(skewed.issue.heaviest, (), True, 1.0).cycles_per_warp()[0]
-    average = skewed.issue.cycles_per_warp()[0]
+    heaviest = model.warp_cycles(skewed.issue, skewed.issue.heaviest, kernels.WARPS / lanes)[0]
+    average = model.warp_cycles(skewed.issue, skewed.issue.per_warp, kernels.WARPS / lanes)[0]
     assert heaviest > 5 * average  # 1000 trips against 126 on average
-    assert skewed.terms["issue"] == pytest.approx(kernels.WARPS * heaviest / 4 / H200.clock_hz)
-    assert skewed.terms["issue"] > 5 * ctas * kernels.WARPS * average / (ctas * 4) / H200.clock_hz
+    assert skewed.terms["issue"] == pytest.approx(kernels.WARPS * heaviest / lanes / H200.clock_hz)
+    assert skewed.terms["issue"] > 5 * ctas * kernels.WARPS * average / (ctas * lanes) / H200.clock_hz
     alike = issue_seconds((heavy,) * 8)
-    assert alike.terms["issue"] == pytest.approx(ctas * kernels.WARPS * alike.issue.cycles_per_warp()[0]
-                                                 / (ctas * 4) / H200.clock_hz)
+    alike_cycles = model.warp_cycles(alike.issue, alike.issue.per_warp, kernels.WARPS / lanes)[0]
+    assert alike.terms["issue"] == pytest.approx(ctas * kernels.WARPS * alike_cycles / (ctas * lanes) / H200.clock_hz)
 
 
 def test_the_roofline_fraction_leaves_the_launch_out(built):

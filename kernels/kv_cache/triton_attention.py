@@ -17,8 +17,6 @@ decode's integer work and the accumulator's rescale bind it (docs/operators.md s
 
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 import triton.language as tl
@@ -313,11 +311,11 @@ def plan_attention(problem, inputs: dict, config: dict, out):
 # - block_h 64 (wgmma on the token's 64 heads; its [64, 512] fp32 accumulator alone 128 registers per thread):
 #   255 registers without spilling at 16 x 64 and 32 x 64 (keys x columns per decoded tile); 16 x 128 spilled
 #   8 B at T = 1, 32 x 128 12-56 B, block_n 64 128-260 B.
-# Triton 3.6 (the oldest supported): block_h 64 spilled 908-1572 B in every tile tried, block_h 32 12-220 B,
-#   block_h 16 nothing at 32 x 64 (191 registers) and 24-36 B at 32 x 128.
+# Under the JIT's own flags (3.9's --regAllocOptLevel=2) the 64-head default spills 1.1-1.3 KB on 3.9 and 1.0-1.3
+#   KB on Triton 3.6 (the oldest supported; block_h 32 12-220 B, block_h 16 nothing at 32 x 64), and still wins:
+#   the model, spills charged as local memory, puts it at 53.5 us at T = 64 on 3.6 against 230 us for 16 heads
+#   (2677 against 14738 us at T = 4096), and within 5% of 16 heads at T = 1 (docs/operators.md 8.3).
 # Shared memory stays under 120 KB (q, the kv column blocks, the pipelined record bytes).
-TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
-ALL_HEADS = TRITON_VERSION >= (3, 9)  # a program may hold 64 heads without spilling (the model above)
 ATTENTION_SPACE = Space(
     params={"block_h": (16, 32, 64), "block_n": (16, 32, 64), "block_d": (64, 128, 256, 512),
             "max_splits": (1, 2, 4, 8, 16, 32), "num_warps": (4, 8), "num_stages": (1, 2, 3)},
@@ -327,15 +325,13 @@ ATTENTION_SPACE = Space(
     limits={"8 warps (registers: 4 spill)": lambda p, c: c["num_warps"] == 8,
             "block_n <= 32, block_n x block_d <= 4096, block_d <= 64 at block_h 64 (registers)":
             lambda p, c: c["block_n"] <= 32 and c["block_n"] * c["block_d"] <= 4096
-            and (c["block_h"] < 64 or c["block_d"] <= 64),
-            "block_h 64 with Triton 3.9 or later (registers: 3.6 spills about 1 KB)":
-            lambda p, c: c["block_h"] < 64 or ALL_HEADS},
+            and (c["block_h"] < 64 or c["block_d"] <= 64)},
 )
 
 
 def attention_default(problem) -> dict:
     """GPU: a token's heads in one program up to 64 (wgmma's M side: every record is decoded once per token; 128
-    heads take two programs; 16 before Triton 3.9, whose builds spill), 32 keys per step in 64-column blocks on 8
+    heads take two programs; on Triton 3.6 and 3.9 alike, spills and all), 32 keys per step in 64-column blocks on 8
     warps, 2 stages, up to 32 splits within one wave (T = 1, H = 64: 20 splits, a key block each, model 7.5 -> 6.3
     us against at most 16; T = 8: 10; T = 64: 2); the window by position on 3 stages (its slot arithmetic spills
     16 B on 2, none on 3). Interpreter (each tl op costs about the same whatever its size): up to 64 heads and 64
@@ -343,5 +339,5 @@ def attention_default(problem) -> dict:
     block_h = min(64, max(16, next_power_of_2(problem.heads)))
     if flashkern.triton_interpreted():
         return {"block_h": block_h, "block_n": 64, "block_d": 512, "max_splits": 1, "num_warps": 8, "num_stages": 2}
-    return {"block_h": block_h if ALL_HEADS else 16, "block_n": 32, "block_d": 64, "max_splits": 32, "num_warps": 8,
+    return {"block_h": block_h, "block_n": 32, "block_d": 64, "max_splits": 32, "num_warps": 8,
             "num_stages": 3 if problem.window_by_position else 2}
