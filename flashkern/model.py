@@ -34,8 +34,10 @@ decode-size kernel is judged by its own work.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -422,7 +424,8 @@ class Row:
     def record(self) -> dict:
         """The row as JSON-ready data, with the kernel source's version (a record is stale once it changes)."""
         found = dict(op=self.op, impl=self.impl, problem=self.problem.key, config=self.config, default=self.default,
-                     source=identity.source_versions(registry.get(self.op))[self.impl], error=self.error)
+                     source=identity.source_versions(registry.get(self.op))[self.impl], model=MODEL_VERSION,
+                     error=self.error)
         p = self.prediction
         if p is None:
             return found
@@ -444,11 +447,15 @@ class Row:
 
 
 SAVED = Path(__file__).resolve().parent.parent / "docs" / "model-h200.json"  # `flashkern model --json`, committed
+# The model's own version, kept in each record: a record priced by another model (its terms, constants or SASS
+# reading changed since) is stale like one of another kernel source.
+MODEL_VERSION = hashlib.sha256(b"".join(Path(module.__file__).read_bytes() for module in (sys.modules[__name__], sass))
+                               ).hexdigest()[:16]
 
 
 def current_records(path=None) -> dict[tuple[str, str, str], dict]:
     """A saved model's default-config records (default: SAVED) by (operator, implementation, shape key), those whose
-    kernel source is still the one modelled; {} when the file is absent."""
+    kernel source is still the one modelled, priced by this model (MODEL_VERSION); {} when the file is absent."""
     try:
         with open(path or SAVED) as f:
             records = json.load(f)
@@ -456,7 +463,7 @@ def current_records(path=None) -> dict[tuple[str, str, str], dict]:
         return {}
     ops = registry.operators()
     return {(r["op"], r["impl"], r["problem"]): r for r in records
-            if r["default"] and "model_seconds" in r and r["op"] in ops
+            if r["default"] and "model_seconds" in r and r["op"] in ops and r.get("model") == MODEL_VERSION
             and identity.source_versions(ops[r["op"]]).get(r["impl"]) == r["source"]}
 
 

@@ -239,16 +239,19 @@ def test_every_implementation_of_an_operator_is_modelled_from_the_command_line(t
     assert set(current) == {(r["op"], r["impl"], r["problem"]) for r in defaults}
 
 
-def test_saved_predictions_are_shown_only_while_the_kernel_is_the_one_modelled(tmp_path, monkeypatch, capsys):
+def test_saved_predictions_are_shown_only_while_the_kernel_and_the_model_are_the_ones_used(tmp_path, monkeypatch, capsys):
     op = registry.get("sinkhorn")
     problem = op.presets["smoke"][0]
     sources = identity.source_versions(op)
     record = dict(op="sinkhorn", problem=problem.key, default=True, config={}, error="", model_seconds=4.25e-6,
-                  roof_seconds=3.0e-6, roofline_fraction=0.706)
+                  roof_seconds=3.0e-6, roofline_fraction=0.706, model=model.MODEL_VERSION)
     saved = tmp_path / "model.json"
     saved.write_text(json.dumps([dict(record, impl="triton", source=sources["triton"]),
                                  dict(record, impl="tilelang", source="an older kernel")]))
     assert set(model.current_records(saved)) == {("sinkhorn", "triton", problem.key)}
+    older_model = tmp_path / "older-model.json"  # the same kernels priced by another model: stale as well
+    older_model.write_text(json.dumps([dict(record, impl="triton", source=sources["triton"], model="0" * 16)]))
+    assert model.current_records(older_model) == {}
     assert model.current_records(tmp_path / "absent.json") == {}
     monkeypatch.setattr(model, "SAVED", saved)
     assert main(["bench", "sinkhorn", "--budget", "0.01"]) == 0
