@@ -374,15 +374,8 @@ FIT_L2_PER_CLOCK = (27.5, 36.0, 42.0, 50.0)  # B/clk/SM: Chips and Cheese's read
 
 def fitted_seconds(result: dict, exponent: float, l2_per_clock: float) -> float:
     """A result's kernel time had the model used this overlap exponent and L2 bandwidth (its L2 term rescaled)."""
-    total = 0.0
-    for terms in result["terms"]:
-        terms = dict(terms, L2=terms.get("L2", 0.0) * model.L2_BYTES_PER_CLOCK_PER_SM / l2_per_clock)
-        memory = max(terms.get(name, 0.0) for name in model.MEMORY_TERMS)
-        compute = max(terms.get(name, 0.0) for name in model.COMPUTE_TERMS)
-        both = max(memory, compute) if math.isinf(exponent) else (memory ** exponent + compute ** exponent) ** (
-            1 / exponent)
-        total += max(both, terms.get("latency", 0.0))
-    return total
+    return sum(model.composed(dict(terms, L2=terms.get("L2", 0.0) * model.L2_BYTES_PER_CLOCK_PER_SM / l2_per_clock),
+                              exponent) for terms in result["terms"])
 
 
 def fit_table(results: list[dict]) -> list[str]:
@@ -403,7 +396,8 @@ def fit_table(results: list[dict]) -> list[str]:
              "|---|" + "---:|" * len(FIT_L2_PER_CLOCK)]
     for exponent in FIT_EXPONENTS:
         lines.append(f"| {exponent:g} | " + " | ".join(f"{rms(exponent, l2):.3f}" for l2 in FIT_L2_PER_CLOCK) + " |")
-    lines += ["", "Each kernel held out: the pair fitted on the others, and the held-out points' model / published:", "",
+    lines += ["", "Each kernel held out: the pair fitted on the others, and the held-out points' model / "
+              "published:", "",
               "| held out | exponent, L2 fitted without it | model / published |", "|---|---|---|"]
     for kernel in sorted({r["case"].split(" ")[0] for r in fitted}):
         rest = [r for r in fitted if r["case"].split(" ")[0] != kernel]

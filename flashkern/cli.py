@@ -340,7 +340,8 @@ def cmd_model(args) -> int:
                   f"L2; spills) and the compute side (tensor: {model.MATH_EFFICIENCY:.0%} of the peak of the "
                   f"arithmetic built; issue: the SASS per pipe over the busy sub-partitions at their warps' issue "
                   f"efficiency), all over the SM fill, overlapping as a {model.OVERLAP_EXPONENT:g}-norm, no less than "
-                  f"latency (dependent global phases x a round trip); then a launch: {model.LAUNCH_SECONDS * 1e6:.1f} us from the host, "
+                  f"latency (dependent global phases x a round trip); then a launch: "
+                  f"{model.LAUNCH_SECONDS * 1e6:.1f} us from the host, "
                   f"{model.GRAPH_LAUNCH_SECONDS * 1e6:.1f} us in a CUDA graph; roof = the operator's bytes at HBM peak "
                   f"or flops at its arithmetic's peak, no launch; device figures: {device.sources}")
     records = [r.record() for r in rows]

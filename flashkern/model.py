@@ -291,12 +291,14 @@ MEMORY_TERMS = ("HBM", "L2", "local memory", "host link")
 COMPUTE_TERMS = ("tensor", "issue")
 
 
-def composed(terms: dict) -> float:
+def composed(terms: dict, exponent: float = OVERLAP_EXPONENT) -> float:
     """A stage's time from its terms' seconds: the memory side's longest and the compute side's longest overlapping
-    partly, (memory^p + compute^p)^(1/p) with p = OVERLAP_EXPONENT; no less than the latency term."""
-    memory = max((terms.get(name, 0.0) for name in MEMORY_TERMS), default=0.0)
-    compute = max((terms.get(name, 0.0) for name in COMPUTE_TERMS), default=0.0)
-    both = (memory ** OVERLAP_EXPONENT + compute ** OVERLAP_EXPONENT) ** (1 / OVERLAP_EXPONENT)
+    partly, (memory^p + compute^p)^(1/p) with p = `exponent` (infinity: the longer side); no less than the latency
+    term."""
+    memory = max(terms.get(name, 0.0) for name in MEMORY_TERMS)
+    compute = max(terms.get(name, 0.0) for name in COMPUTE_TERMS)
+    both = max(memory, compute) if math.isinf(exponent) else (memory ** exponent + compute ** exponent) ** (
+        1 / exponent)
     return max(both, terms.get("latency", 0.0))
 
 
@@ -373,8 +375,8 @@ def _local_seconds(issue: Issue, report: BuildReport, ctas: int, resident: int, 
 def predict(cost: Cost, stages: list[tuple[BuildReport, LaunchTraffic]], device: Device) -> Prediction:
     """The model's time for one call: its stages (each launch's build report and traffic) on `device`.
 
-    A stage's time composes its terms (`composed`): HBM (bytes L2 misses, `hbm_bytes`, at MEMORY_EFFICIENCY of the peak)
-    and L2 (every requested byte at L2 bandwidth), both over the SM fill; tensor (the operator's flops, charged
+    A stage's time composes its terms (`composed`): HBM (bytes L2 misses, `hbm_bytes`, at MEMORY_EFFICIENCY of the
+    peak) and L2 (every requested byte at L2 bandwidth), both over the SM fill; tensor (the operator's flops, charged
     to the stage with tensor-core instructions, at MATH_EFFICIENCY of the peak of the arithmetic built) over the
     fill; issue (the SASS's warp instructions over the sub-partitions busy, `_issue_seconds`); latency (waves x
     dependent phases per CTA x a global round trip). Then a launch: from the host, or inside a CUDA graph."""

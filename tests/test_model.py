@@ -239,7 +239,8 @@ def test_every_implementation_of_an_operator_is_modelled_from_the_command_line(t
     assert set(current) == {(r["op"], r["impl"], r["problem"]) for r in defaults}
 
 
-def test_saved_predictions_are_shown_only_while_the_kernel_and_the_model_are_the_ones_used(tmp_path, monkeypatch, capsys):
+def test_saved_predictions_are_shown_only_while_kernel_and_model_are_the_ones_used(tmp_path, monkeypatch,
+                                                                                  capsys):
     op = registry.get("sinkhorn")
     problem = op.presets["smoke"][0]
     sources = identity.source_versions(op)
